@@ -1,0 +1,1 @@
+"""Presets: each module defines `get_config() -> jaxpar.Config`; use with `python run.py --config configs/NAME.py`."""

@@ -1,0 +1,97 @@
+"""The run configuration: one dataclass, one comment per field, and `validate()` that turns every bad value into
+one `ConfigError` line naming the CLI flag, the value and what would work.
+
+Presets live in `configs/NAME.py` as `get_config() -> jaxpar.Config`; CLI flags override their fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+from jaxpar.errors import ConfigError
+from jaxpar.sharding import DEFAULT_RULES
+
+MODELS = ("transformer", "mlp", "cnn")
+
+
+@dataclass
+class Config:
+    # --- run ---
+    model: str = "transformer"  # which built-in model (models/): transformer | mlp | cnn
+    mesh: str = "2x4"  # device mesh: "8", "2x4" (data x model) or "data=2,model=4"
+    steps: int = 150  # number of optimizer updates
+    batch_size: int = 32  # global batch size, split evenly over the data axis
+    lr: float = 3e-3  # peak learning rate of AdamW
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    seed: int = 0  # initialisation, data order and dropout; same seed -> same run on every mesh
+    data: str | None = None  # text file or folder for the transformer; None = the default corpus
+    metrics: str | None = None  # JSONL file: one object per logged step
+    log_every: int = 10  # print and log every this many steps
+    eval_batches: int = 4  # held-out batches evaluated at the end of training
+    rules: dict = field(default_factory=lambda: dict(DEFAULT_RULES))  # logical axis -> mesh axis (None = replicate)
+    # --- transformer ---
+    layers: int = 2  # transformer blocks
+    d_model: int = 128  # width of the residual stream
+    heads: int = 4  # attention heads (must divide by the model-axis size)
+    d_ff: int = 512  # MLP hidden width (must divide by the model-axis size)
+    seq_len: int = 64  # tokens (bytes) per training sequence
+    vocab: int = 256  # byte-level vocabulary (must divide by the model-axis size)
+    dropout: float = 0.1  # dropout rate of every model
+    # --- mlp / cnn ---
+    hidden: int = 128  # MLP hidden width
+    channels: tuple[int, int] = (16, 32)  # CNN channels of its two conv layers
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> "Config":
+        if self.model not in MODELS:
+            raise ConfigError(f"--model {self.model!r} is not a model; choose one of {', '.join(MODELS)}")
+        for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
+                                 ("--log-every", self.log_every, 1), ("--layers", self.layers, 1),
+                                 ("--d-model", self.d_model, 1), ("--heads", self.heads, 1), ("--d-ff", self.d_ff, 1),
+                                 ("--seq-len", self.seq_len, 2), ("--vocab", self.vocab, 2), ("--hidden", self.hidden, 1),
+                                 ("--eval-batches", self.eval_batches, 0), ("--seed", self.seed, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr {self.lr!r}: must be > 0, e.g. --lr 1e-3")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay {self.weight_decay!r}: must be >= 0")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"--dropout {self.dropout!r}: must be in [0, 1)")
+        if self.model == "transformer" and self.d_model % self.heads:
+            raise ConfigError(f"--d-model {self.d_model} does not divide by --heads {self.heads}; "
+                              f"choose d_model a multiple of heads")
+        if self.model == "transformer" and self.vocab < 256:
+            raise ConfigError(f"--vocab {self.vocab}: byte-level text needs a vocabulary of at least 256")
+        if self.metrics is not None:
+            parent = os.path.dirname(os.path.abspath(self.metrics))
+            if not os.path.isdir(parent):
+                raise ConfigError(f"--metrics {self.metrics!r}: folder {parent!r} does not exist")
+        return self
+
+
+def load_config_file(path: str) -> Config:
+    """Runs `get_config()` from a Python file (configs/NAME.py)."""
+    if not os.path.isfile(path):
+        here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+        names = sorted(f for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_")) \
+            if os.path.isdir(here) else []
+        raise ConfigError(f"--config {path!r}: no such file" + (f"; presets: {', '.join('configs/' + n for n in names)}"
+                                                                 if names else ""))
+    spec = importlib.util.spec_from_file_location("jaxpar_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a user's file: report it as a bad flag value, not a traceback
+        raise ConfigError(f"--config {path!r}: could not be loaded ({type(error).__name__}: {error})") from error
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"--config {path!r}: defines no get_config() returning jaxpar.Config")
+    config = module.get_config()
+    if not isinstance(config, Config):
+        raise ConfigError(f"--config {path!r}: get_config() returned {type(config).__name__}, not jaxpar.Config")
+    return config

@@ -1,0 +1,24 @@
+"""The one exception type every user-facing failure raises.
+
+The CLI turns a `JaxparError` into one line on stderr and exit code 2; library users catch it as a `ValueError`.
+"""
+
+
+class JaxparError(ValueError):
+    """A bad input from the user: a flag, a config value, a mesh, a file. The message is one complete line."""
+
+
+class MeshError(JaxparError):
+    """A mesh spec that cannot be parsed or does not fit the available devices."""
+
+
+class ConfigError(JaxparError):
+    """A configuration value (CLI flag or config field) out of range or inconsistent with another."""
+
+
+class ShardingError(JaxparError):
+    """A sharding rule or model dimension that does not fit the mesh."""
+
+
+class DataError(JaxparError):
+    """A missing, empty or too small dataset."""
