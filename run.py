@@ -12,7 +12,7 @@ FLAGS = [
     ("--mesh", str, "device mesh: '8' (data only), '2x4' (data x model) or 'data=2,model=4'; -1 = all remaining "
                     "devices. On a CPU-only machine the needed CPU devices are created (default 2x4)"),
     ("--model", str, "built-in model: transformer (byte-level LM), mlp or cnn (digits classifiers; default transformer)"),
-    ("--steps", int, "number of optimizer updates (default 150)"),
+    ("--steps", int, "number of optimizer updates (default 300)"),
     ("--batch-size", int, "GLOBAL batch size, split evenly over the data axis (default 32)"),
     ("--lr", float, "AdamW learning rate (default 3e-3)"),
     ("--seed", int, "seed of initialisation, data order and dropout; same seed -> same run on any mesh (default 0)"),

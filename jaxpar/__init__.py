@@ -2,6 +2,7 @@
 
 from jaxpar.config import Config
 from jaxpar.errors import ConfigError, DataError, JaxparError, MeshError, ShardingError
+from jaxpar.linen import from_linen
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import DEFAULT_RULES
 from jaxpar.step import TrainState
@@ -9,4 +10,4 @@ from jaxpar.strategies import Sync
 from jaxpar.trainer import Trainer
 
 __all__ = ["Config", "ConfigError", "DataError", "DEFAULT_RULES", "JaxparError", "MeshError", "ShardingError",
-           "Sync", "Trainer", "TrainState", "make_mesh"]
+           "Sync", "Trainer", "TrainState", "from_linen", "make_mesh"]

@@ -22,7 +22,7 @@ class Config:
     # --- run ---
     model: str = "transformer"  # which built-in model (models/): transformer | mlp | cnn
     mesh: str = "2x4"  # device mesh: "8", "2x4" (data x model) or "data=2,model=4"
-    steps: int = 150  # number of optimizer updates
+    steps: int = 300  # number of optimizer updates
     batch_size: int = 32  # global batch size, split evenly over the data axis
     lr: float = 3e-3  # peak learning rate of AdamW
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -37,7 +37,7 @@ class Config:
     d_model: int = 128  # width of the residual stream
     heads: int = 4  # attention heads (must divide by the model-axis size)
     d_ff: int = 512  # MLP hidden width (must divide by the model-axis size)
-    seq_len: int = 64  # tokens (bytes) per training sequence
+    seq_len: int = 128  # tokens (bytes) per training sequence
     vocab: int = 256  # byte-level vocabulary (must divide by the model-axis size)
     dropout: float = 0.1  # dropout rate of every model
     # --- mlp / cnn ---

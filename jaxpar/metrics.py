@@ -15,7 +15,7 @@ from typing import IO
 
 class RunLogger:
     def __init__(self, total_steps: int, global_batch: int, log_every: int, jsonl_path: str | None = None,
-                 stream: IO[str] = sys.stdout):
+                 stream: IO[str] | None = None):
         self.total_steps, self.global_batch, self.log_every = total_steps, global_batch, log_every
         self.stream = stream
         self._file = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
@@ -34,7 +34,7 @@ class RunLogger:
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
         first = "  (includes compilation)" if step == 1 else ""
-        print(f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{eta}{first}", file=self.stream,
+        print(f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{eta}{first}", file=self.stream or sys.stdout,
               flush=True)
 
     def write(self, record: dict) -> None:

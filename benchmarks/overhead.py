@@ -1,0 +1,119 @@
+"""jaxpar's train step against a hand-written `jax.jit` step with `NamedSharding`, same model, mesh and batch.
+
+    python benchmarks/overhead.py --mesh 2x4 --rounds 5 --steps 20
+
+Runs alternate (trainer, hand-written, trainer, ...) in one process so machine noise hits both alike; prints the
+median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxpar  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="2x4")
+    parser.add_argument("--model", default="transformer", choices=["transformer", "mlp", "cnn"])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import models
+    from jaxpar import data, sharding
+
+    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size)
+    factory, loss_fn, tx = models.factory(config), models.LOSSES[args.model], optax.adamw(1e-3)
+    if args.model == "transformer":
+        batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), args.batch_size, config.seq_len, 0))
+    else:
+        batch = next(data.array_batches(data.load_digits()[0], args.batch_size, 0))
+
+    trainer = jaxpar.Trainer(factory, loss_fn, tx, mesh)
+    trainer_batch = trainer.shard_batch(batch)
+
+    # The hand-written baseline: what a JAX user writes without jaxpar.
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+    abstract.train()
+    graphdef, abs_params, abs_rest = nnx.split(abstract, nnx.Param, ...)
+    p_sh = sharding.state_shardings(abs_params, jaxpar.DEFAULT_RULES, mesh)
+    rest_sh = sharding.state_shardings(abs_rest, jaxpar.DEFAULT_RULES, mesh)
+    o_sh = sharding.optimizer_shardings(tx, jax.eval_shape(tx.init, abs_params), p_sh, mesh)
+    b_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def init():
+        with nnx.use_eager_sharding(False):
+            _, params, rest = nnx.split(factory(nnx.Rngs(0)), nnx.Param, ...)
+        return params, rest, tx.init(params)
+
+    params, rest, opt_state = jax.jit(init, out_shardings=(p_sh, rest_sh, o_sh))()
+
+    def hand_step(params, opt_state, rest, batch):
+        # What an NNX user writes: merge, differentiate w.r.t. Params (BatchNorm/RNG state may change), update.
+        model = nnx.merge(graphdef, params, rest)
+        (value, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        rest = nnx.split(model, nnx.Param, ...)[2]
+        return optax.apply_updates(params, updates), opt_state, rest, {"loss": value, **metrics}
+
+    hand = jax.jit(hand_step, in_shardings=(p_sh, o_sh, rest_sh, b_sh), out_shardings=(p_sh, o_sh, rest_sh, None),
+                   donate_argnums=(0, 1, 2))
+    hand_batch = jax.device_put(batch, b_sh)
+
+    state = trainer.init(0)
+
+    def run_trainer(n):
+        nonlocal state
+        previous = None
+        for _ in range(n):
+            state, metrics = trainer.step(state, trainer_batch)
+            if previous is not None:
+                jax.block_until_ready(previous)  # the same two-in-flight bound as Trainer.fit
+            previous = metrics["loss"]
+        jax.block_until_ready(previous)
+
+    def run_hand(n):
+        nonlocal params, opt_state, rest
+        previous = None
+        for _ in range(n):
+            params, opt_state, rest, metrics = hand(params, opt_state, rest, hand_batch)
+            if previous is not None:
+                jax.block_until_ready(previous)
+            previous = metrics["loss"]
+        jax.block_until_ready(previous)
+
+    run_trainer(3), run_hand(3)  # compile and warm up
+    rates = {"jaxpar": [], "hand_jit": []}
+    for _ in range(args.rounds):
+        for name, fn in (("jaxpar", run_trainer), ("hand_jit", run_hand)):
+            start = time.perf_counter()
+            fn(args.steps)
+            rates[name].append(args.steps / (time.perf_counter() - start))
+    result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size,
+              "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
+              "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
+    result["ratio"] = result["jaxpar_steps_per_sec"] / result["hand_jit_steps_per_sec"]
+    print(f"{'':10s}{'steps/s (median of ' + str(args.rounds) + ')':>28s}")
+    print(f"{'jaxpar':10s}{result['jaxpar_steps_per_sec']:28.2f}")
+    print(f"{'hand jit':10s}{result['hand_jit_steps_per_sec']:28.2f}")
+    print(f"ratio jaxpar / hand-written: {result['ratio']:.3f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Small models, losses and batches shared by the tests."""
+
+import numpy as np
+import optax
+
+import jaxpar
+import models
+from jaxpar import Config
+
+TINY = {
+    "transformer": Config(model="transformer", layers=1, d_model=32, heads=8, d_ff=64, seq_len=8, vocab=256),
+    "mlp": Config(model="mlp", hidden=32),
+    "cnn": Config(model="cnn", channels=(8, 16)),
+}
+
+
+def batch_for(model: str, size: int = 16, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    if model == "transformer":
+        return {"tokens": rng.integers(0, 256, size=(size, TINY[model].seq_len + 1)).astype(np.int32)}
+    return {"image": rng.random((size, 8, 8, 1), dtype=np.float32), "label": rng.integers(0, 10, size).astype(np.int32)}
+
+
+def trainer_for(model: str, mesh: str, optimizer=None, dropout: float = 0.0, **kw) -> jaxpar.Trainer:
+    config = TINY[model].replace(dropout=dropout)
+    return jaxpar.Trainer(model=models.factory(config), loss_fn=models.LOSSES[model],
+                          optimizer=optimizer or optax.sgd(0.1), mesh=jaxpar.make_mesh(mesh), **kw)

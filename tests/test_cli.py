@@ -1,0 +1,97 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # run.py must provide the CPU devices itself
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    done = cli("--mesh", "2x4", "--steps", "4", "--log-every", "2", "--metrics", str(metrics))
+    assert done.returncode == 0, done.stderr
+    assert "on mesh data=2 x model=4 (8 cpu devices)" in done.stdout
+    assert "step 4/4" in done.stdout and "held-out:" in done.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4, 4]
+    assert all({"loss", "samples_per_sec", "accuracy"} <= set(r) for r in records[:3])
+    assert "eval_perplexity" in records[3]
+
+
+def test_cli_mesh_that_cannot_fit_the_user_chosen_devices_fails_in_one_line():
+    done = cli("--mesh", "4x4", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("run.py: error: --mesh '4x4' needs 16 devices but only 8 are available; "
+                                   "try --mesh 2x4")
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_config_preset_with_flag_override(tmp_path, capsys):
+    assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "jaxpar: mlp" in out and "on mesh data=8 x model=1" in out and "step 3/3" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "-5"], "--steps -5: must be an integer >= 1"),
+    (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+    (["--lr", "0"], "--lr 0.0: must be > 0"),
+    (["--model", "resnet"], "--model 'resnet' is not a model; choose one of transformer, mlp, cnn"),
+    (["--config", "configs/nope.py"], "--config 'configs/nope.py': no such file; presets: configs/cnn.py"),
+    (["--mesh", "2x"], "--mesh '2x': '' is not an axis size"),
+    (["--mesh", "4x2", "--batch-size", "30"], "--batch-size 30 does not divide by the data-axis size 4 (--mesh 4x2); "
+                                              "use a multiple of 4, e.g. --batch-size 28"),
+    (["--mesh", "4x4"], "--mesh '4x4' needs 16 devices but only 8 are available; try --mesh 2x4"),
+    (["--data", "/no/such/corpus"], "--data '/no/such/corpus': no such file or folder"),
+    (["--model", "mlp", "--data", "x.txt"], "--data 'x.txt': the mlp model trains on the built-in digits dataset"),
+    (["--metrics", "/no/such/dir/m.jsonl"], "--metrics '/no/such/dir/m.jsonl': folder '/no/such/dir' does not exist"),
+    (["--model", "mlp", "--batch-size", "4096"], "digits training split has 1497 examples, fewer than one global "
+                                                 "batch of 4096; use --batch-size 1497 or less"),
+    (["--dropout", "1.5"], "--dropout 1.5: must be in [0, 1)"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
+    with pytest.raises(SystemExit) if "invalid int" in message else _no_raise() as raised:
+        code = run.main(args)
+    code = raised.value.code if raised else code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("run.py: error: ")
+
+
+class _no_raise:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_empty_data_file_and_nothing_half_written(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    metrics = tmp_path / "m.jsonl"
+    assert run.main(["--data", str(empty), "--metrics", str(metrics)]) == 2
+    assert "contains no text (0 bytes)" in capsys.readouterr().err
+    assert not metrics.exists()
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as raised:
+        run.main(["--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--mesh", "--config", "--model", "--steps", "--batch-size", "--lr", "--seed", "--data", "--metrics",
+                 "--log-every"):
+        assert flag in out

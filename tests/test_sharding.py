@@ -1,0 +1,76 @@
+import math
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.sharding import DEFAULT_RULES, spec_for
+from tests.helpers import trainer_for
+
+# parameter path -> expected PartitionSpec under the default rules on a 2x4 mesh
+EXPECTED = {
+    "transformer": {"token_embed/embedding": P("model", None), "pos_embed/embedding": P(None, None),
+                    "blocks/0/attn/qkv/kernel": P(None, None, "model", None),
+                    "blocks/0/attn/out/kernel": P("model", None, None),
+                    "blocks/0/up/kernel": P(None, "model"), "blocks/0/up/bias": P("model"),
+                    "blocks/0/down/kernel": P("model", None), "blocks/0/norm1/scale": P(None),
+                    "head/kernel": P(None, "model")},
+    "mlp": {"hidden/kernel": P(None, "model"), "hidden/bias": P("model"), "out/kernel": P("model", None),
+            "out/bias": P(None)},
+    "cnn": {"conv1/kernel": P(None, None, None, "model"), "conv1/bias": P("model"), "bn1/scale": P("model"),
+            "conv2/kernel": P(None, None, "model", None), "out/kernel": P(None, None)},
+}
+
+
+def flat_params(state):
+    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
+    return {"/".join(str(k.key) for k in path if hasattr(k, "key")): leaf for path, leaf in leaves}
+
+
+@pytest.mark.parametrize("model", sorted(EXPECTED))
+def test_parameter_shardings_follow_the_rules(model):
+    trainer = trainer_for(model, "2x4")
+    params = flat_params(trainer.init(0))
+    for name, spec in EXPECTED[model].items():
+        array = params[name]
+        assert array.sharding.spec == spec or P(*spec, *[None] * (array.ndim - len(spec))) == array.sharding.spec, name
+        sharded_dims = [d for d, axis in enumerate(array.sharding.spec) if axis == "model"]
+        shard = array.addressable_shards[0].data
+        if sharded_dims:  # a tensor-parallel parameter: each device holds exactly a quarter of it
+            assert shard.size * 4 == array.size, name
+            assert shard.shape[sharded_dims[0]] * 4 == array.shape[sharded_dims[0]]
+        else:
+            assert shard.shape == array.shape
+
+
+def test_optimizer_state_is_sharded_like_params():
+    import optax
+    state = trainer_for("mlp", "2x4", optimizer=optax.adam(1e-3)).init(0)
+    mu = state.opt_state[0].mu
+    assert mu["hidden"]["kernel"].sharding.spec == P(None, "model")
+    assert mu["hidden"]["kernel"].addressable_shards[0].data.shape == (64, 8)
+    assert state.opt_state[0].count.sharding.spec == P()
+
+
+def test_rule_naming_a_missing_mesh_axis_is_a_clear_error():
+    with pytest.raises(jaxpar.ShardingError, match=r"rule 'mlp' -> 'tensor' names a mesh axis that does not exist"):
+        trainer_for("mlp", "2x4", rules={**DEFAULT_RULES, "mlp": "tensor"})
+
+
+def test_two_dimensions_on_one_mesh_axis_names_the_parameter():
+    with pytest.raises(jaxpar.ShardingError, match=r"parameter hidden/kernel: dimensions 0 \('embed'\) and 1 \('mlp'\)"):
+        trainer_for("mlp", "2x4", rules={**DEFAULT_RULES, "embed": "model"})
+
+
+def test_dimension_not_divisible_by_model_axis_names_dimension_value_and_axis_size():
+    # TINY transformer has 8 heads and d_ff 64: a 1x3 mesh cannot split them
+    with pytest.raises(jaxpar.ShardingError, match=r"model dimension '(heads|mlp|vocab)' = \d+ .* mesh axis 'model' of size 3"):
+        trainer_for("transformer", "1x3")
+
+
+def test_unnamed_and_unruled_dimensions_are_replicated():
+    mesh = jaxpar.make_mesh("2x4")
+    assert spec_for(("embed", "unknown", None), DEFAULT_RULES, mesh, "x", (4, 4, 4)) == P(None, None, None)
+    assert spec_for(None, DEFAULT_RULES, mesh, "x") == P()
+    assert math.prod(mesh.devices.shape) == 8
