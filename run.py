@@ -20,6 +20,17 @@ FLAGS = [
     ("--metrics", str, "write one JSON object per logged step (step, loss, samples_per_sec, ...) to this .jsonl file"),
     ("--log-every", int, "print and log every K steps (default 10)"),
     ("--dropout", float, "dropout rate of the model (default 0.1)"),
+    ("--strategy", str, "how replicas agree: sync | local_sgd | diloco | ssp | asp (default sync)"),
+    ("--allreduce", str, "gradient/parameter averaging: psum | ring | torus2d | ps (default: XLA's partitioner for "
+                         "sync, psum otherwise)"),
+    ("--torus", int, "torus2d: X of the X x Y grid over the data axis (default: divisor nearest sqrt)"),
+    ("--sync-period", int, "local_sgd/diloco: local steps between meetings H (default 4)"),
+    ("--local-after", int, "local_sgd/diloco: post-local SGD, synchronous for the first K steps (default 0)"),
+    ("--outer-lr", float, "diloco: outer Nesterov SGD learning rate (default 0.7)"),
+    ("--outer-momentum", float, "diloco: outer momentum (default 0.9)"),
+    ("--staleness", int, "ssp: largest staleness S of an applied gradient (default 2; 0 = BSP)"),
+    ("--stragglers", str, "simulated worker speeds: '3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded "
+                          "log-normal jitter (sets sim_time in the metrics)"),
 ]
 
 

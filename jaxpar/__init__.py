@@ -6,8 +6,8 @@ from jaxpar.linen import from_linen
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import DEFAULT_RULES
 from jaxpar.step import TrainState
-from jaxpar.strategies import Sync
+from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.trainer import Trainer
 
 __all__ = ["Config", "ConfigError", "DataError", "DEFAULT_RULES", "JaxparError", "MeshError", "ShardingError",
-           "Sync", "Trainer", "TrainState", "from_linen", "make_mesh"]
+           "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync", "Trainer", "TrainState", "from_linen", "make_mesh"]

@@ -54,7 +54,8 @@ def default_torus_x(n: int) -> int:
     return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - math.sqrt(n)), d))
 
 
-def _torus_shape(n: int, torus_x: int | None) -> tuple[int, int]:
+def torus_shape(n: int, torus_x: int | None) -> tuple[int, int]:
+    """(X, Y) of the torus2d grid over `n` devices; a `torus_x` that does not divide `n` is a ConfigError."""
     x = default_torus_x(n) if torus_x is None else torus_x
     if not isinstance(x, int) or x < 1 or n % x:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
@@ -75,7 +76,7 @@ def theoretical_traffic(algorithm: str, n: int, nbytes: int, torus_x: int | None
     if algorithm == "ring":
         return dict(ring, note="reduce-scatter + all-gather around one ring")
     if algorithm == "torus2d":
-        x, y = _torus_shape(n, torus_x)
+        x, y = torus_shape(n, torus_x)
         return dict(steps=2 * (x - 1) + 2 * (y - 1),
                     bytes_sent_per_device=2 * (x - 1) / x * nbytes + 2 * (y - 1) / (x * y) * nbytes,
                     note=f"{x}x{y} torus: reduce-scatter along X, allreduce along Y on 1/X, all-gather along X")
@@ -179,7 +180,7 @@ def allreduce_mean(tree, axis_name: str, algorithm: str = "psum", *, torus_x: in
         if not jnp.issubdtype(leaf.dtype, jnp.inexact):
             raise TypeError(f"allreduce_mean averages floating-point leaves, got a {leaf.dtype} leaf {leaf.shape}")
     n = lax.axis_size(axis_name)
-    torus = _torus_shape(n, torus_x) if algorithm == "torus2d" else None
+    torus = torus_shape(n, torus_x) if algorithm == "torus2d" else None
     if algorithm == "psum":
         return lax.pmean(tree, axis_name)
     if n == 1 or not leaves:

@@ -15,6 +15,13 @@ from jaxpar.errors import ConfigError
 from jaxpar.sharding import DEFAULT_RULES
 
 MODELS = ("transformer", "mlp", "cnn")
+STRATEGIES = ("sync", "local_sgd", "diloco", "ssp", "asp")
+# Which strategies each strategy-specific field applies to (a flag given for another strategy is an error).
+APPLIES_TO = {
+    "allreduce": STRATEGIES, "torus": STRATEGIES, "stragglers": STRATEGIES,
+    "sync_period": ("local_sgd", "diloco"), "local_after": ("local_sgd", "diloco"),
+    "outer_lr": ("diloco",), "outer_momentum": ("diloco",), "staleness": ("ssp",),
+}
 
 
 @dataclass
@@ -32,6 +39,16 @@ class Config:
     log_every: int = 10  # print and log every this many steps
     eval_batches: int = 4  # held-out batches evaluated at the end of training
     rules: dict = field(default_factory=lambda: dict(DEFAULT_RULES))  # logical axis -> mesh axis (None = replicate)
+    # --- update strategy (None = not given: the strategy's default) ---
+    strategy: str = "sync"  # how replicas agree: sync | local_sgd | diloco | ssp | asp
+    allreduce: str | None = None  # psum | ring | torus2d | ps; None: the partitioner's all-reduce (sync), psum (others)
+    torus: int | None = None  # X of the X x Y torus2d grid; None: the divisor of the data-axis size nearest its sqrt
+    sync_period: int | None = None  # local_sgd / diloco: local steps between meetings (default 4)
+    local_after: int | None = None  # local_sgd / diloco: synchronous steps before going local (default 0)
+    outer_lr: float | None = None  # diloco: outer Nesterov SGD learning rate (default 0.7)
+    outer_momentum: float | None = None  # diloco: outer momentum (default 0.9)
+    staleness: int | None = None  # ssp: largest staleness S of an applied gradient (default 2; 0 = BSP)
+    stragglers: str | None = None  # simulated worker speeds, e.g. "3:2.0" (replica 3 2x slower), ",jitter=0.1"
     # --- transformer ---
     layers: int = 2  # transformer blocks
     d_model: int = 128  # width of the residual stream
@@ -68,11 +85,37 @@ class Config:
                               f"choose d_model a multiple of heads")
         if self.model == "transformer" and self.vocab < 256:
             raise ConfigError(f"--vocab {self.vocab}: byte-level text needs a vocabulary of at least 256")
+        self._validate_strategy()
         if self.metrics is not None:
             parent = os.path.dirname(os.path.abspath(self.metrics))
             if not os.path.isdir(parent):
                 raise ConfigError(f"--metrics {self.metrics!r}: folder {parent!r} does not exist")
         return self
+
+
+    def _validate_strategy(self) -> None:
+        from jaxpar.collectives import ALLREDUCE_ALGORITHMS
+        from jaxpar.strategies.simulator import parse_stragglers
+
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"--strategy {self.strategy!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
+        for name, strategies in APPLIES_TO.items():
+            if getattr(self, name) is not None and self.strategy not in strategies:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} does not apply to --strategy "
+                                  f"{self.strategy}; it applies to {' / '.join(strategies)}")
+        if self.allreduce is not None and self.allreduce not in ALLREDUCE_ALGORITHMS:
+            raise ConfigError(f"--allreduce {self.allreduce!r} is not one of: {', '.join(ALLREDUCE_ALGORITHMS)}")
+        if self.torus is not None and self.allreduce != "torus2d":
+            raise ConfigError(f"--torus {self.torus} applies only to --allreduce torus2d")
+        for flag, value, low in (("--torus", self.torus, 1), ("--sync-period", self.sync_period, 1),
+                                 ("--local-after", self.local_after, 0), ("--staleness", self.staleness, 0)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
+        if self.outer_lr is not None and not self.outer_lr > 0:
+            raise ConfigError(f"--outer-lr {self.outer_lr!r}: must be > 0, e.g. --outer-lr 0.7")
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"--outer-momentum {self.outer_momentum!r}: must be in [0, 1), e.g. 0.9")
+        parse_stragglers(self.stragglers)
 
 
 def load_config_file(path: str) -> Config:

@@ -19,6 +19,7 @@ from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh, parse_mesh_spec
 from jaxpar.metrics import RunLogger
+from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.trainer import Trainer
 
 
@@ -57,13 +58,14 @@ def train(config: Config) -> dict:
 
     trainer = Trainer(model=models.factory(config), loss_fn=models.LOSSES[config.model],
                       optimizer=optax.adamw(config.lr, weight_decay=config.weight_decay), mesh=mesh,
-                      rules=config.rules)
+                      rules=config.rules, strategy=strategy_from_config(config))
     state = trainer.init(config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     devices = mesh.devices.flat[0].platform
     print(f"jaxpar: {config.model} ({n_params:,} parameters) on mesh data={mesh.shape['data']} x "
           f"model={mesh.shape['model']} ({mesh.size} {devices} devices); global batch {config.batch_size} "
-          f"({config.batch_size // mesh.shape['data']} per replica); {config.steps} steps", flush=True)
+          f"({config.batch_size // mesh.shape['data']} per replica); strategy {config.strategy}; {config.steps} steps",
+          flush=True)
 
     logger = RunLogger(config.steps, config.batch_size, config.log_every, config.metrics)
     last = {}

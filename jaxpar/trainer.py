@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,41 +47,42 @@ class Trainer:
         graphdef, abs_params, abs_model_state = split_model(abstract)
 
         param_sh = shd.state_shardings(abs_params, self.rules, mesh)
+        model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh)
         opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
-        self._ctx = StepContext(graphdef, loss_fn, optimizer, mesh, param_sh, opt_sh)
-        partial = TrainState(shd.replicated(mesh), param_sh, shd.state_shardings(abs_model_state, self.rules, mesh),
-                             opt_sh, ())
-        abstract_state = jax.eval_shape(self._fresh_state, 0)
-        self.state_shardings = partial._replace(
-            strategy_state=self.strategy.state_shardings(self._ctx, abstract_state))
+        self._ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh)
+        base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, ())
+        self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
-        self.trace_count = 0  # how often the train step was traced (= compiled); stays 1 in a healthy run
+        self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
 
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        self._step = jax.jit(self._traced_step, in_shardings=(self.state_shardings, self.batch_sharding),
-                             out_shardings=(self.state_shardings, shd.replicated(mesh)), donate_argnums=0)
+        self._steps = {name: jax.jit(functools.partial(self._traced_step, name, fn),
+                                     in_shardings=(self.state_shardings, self.batch_sharding, None),
+                                     out_shardings=(self.state_shardings, shd.replicated(mesh)), donate_argnums=0)
+                       for name, fn in self.strategy.steps(self._ctx).items()}
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
-    def _fresh_state(self, seed) -> TrainState:
+    def _init_state(self, seed) -> TrainState:
         with nnx.use_eager_sharding(False):
             model = self._factory(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = split_model(model)
-        return TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), ())
+        state = TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), ())
+        return self.strategy.init(self._ctx, state)
 
-    def _init_state(self, seed) -> TrainState:
-        state = self._fresh_state(seed)
-        return state._replace(strategy_state=self.strategy.init(self._ctx, state))
-
-    def _traced_step(self, state, batch):
-        self.trace_count += 1
-        return self.strategy.make_step(self._ctx)(state, batch)
+    def _traced_step(self, name, fn, state, batch, inputs):
+        self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+        return fn(state, batch, inputs)
 
     def _eval_step(self, state, batch):
         return evaluate_batch(self._eval_graphdef, self._loss_fn, state.params, state.model_state, batch)
 
     # --- public API ----------------------------------------------------------------------------------------------
+    @property
+    def trace_count(self) -> int:
+        return sum(self.trace_counts.values())
+
     @property
     def data_size(self) -> int:
         return self.mesh.shape["data"]
@@ -100,9 +103,18 @@ class Trainer:
         return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding
                 else jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
 
-    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One update; `state` is donated (do not reuse it). Metrics stay on device until read."""
-        return self._step(state, self.shard_batch(batch))
+    def step(self, state: TrainState, batch, step_number: int | None = None
+             ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update; `state` is donated (do not reuse it). Metrics stay on device until read.
+
+        `step_number` (the number of updates already applied) lets the strategy plan the step without reading
+        `state.step` back from the device; `fit` passes it.
+        """
+        if step_number is None:
+            step_number = int(jax.device_get(state.step))
+        plan = self.strategy.plan(self._ctx, step_number)
+        state, metrics = self._steps[plan.variant](state, self.shard_batch(batch), plan.inputs)
+        return state, {**metrics, **plan.host_metrics}
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
@@ -124,7 +136,7 @@ class Trainer:
         step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step
         pending = None
         for _ in range(steps):
-            state, metrics = self.step(state, next(iterator))
+            state, metrics = self.step(state, next(iterator), step_number)
             step_number += 1
             if pending is not None:
                 self._report(*pending, on_step)

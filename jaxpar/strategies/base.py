@@ -1,13 +1,23 @@
 """The contract between the trainer and a strategy.
 
-A strategy turns the model's loss into a step `step(state, batch) -> (state, metrics)`. It keeps no hidden state:
-whatever it needs between steps lives in `TrainState.strategy_state`, created by `init` and sharded as
-`state_shardings` says, so it is jitted, donated and checkpointed with the rest of the state.
+A strategy is a small object of pure functions, in the spirit of optax's `GradientTransformation`:
+
+- `init(ctx, state) -> state`: rearranges a fresh `TrainState` (inside the jitted initialisation), e.g. adds
+  per-replica parameters to `strategy_state`;
+- `shardings(ctx, shardings) -> shardings`: the `NamedSharding`s of what `init` returns;
+- `steps(ctx) -> {variant: step}`: pure functions `step(state, batch, inputs) -> (state, metrics)`; the trainer
+  jits each once. Several variants exist when communication differs between steps (local SGD's local step has
+  no collective at all; its averaging step does);
+- `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small per-step
+  arrays it needs (participation flags, staleness indices) and host-side metrics (simulated time).
+
+Strategies keep no hidden state: `plan` is a pure function of the step number and the strategy's configuration
+(memoised), and everything on device lives in `TrainState`, so it is jitted, donated and checkpointed as one.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import optax
 from jax.sharding import Mesh
@@ -19,21 +29,35 @@ class StepContext(NamedTuple):
     """What a strategy may use to build its step: all static, all decided by the trainer."""
 
     graphdef: Any  # the model's structure in train mode
+    abstract_params: Any  # ShapeDtypeStructs of the params pytree
     loss_fn: LossFn
     tx: optax.GradientTransformation
     mesh: Mesh
     param_shardings: Any  # NamedShardings of the params pytree
+    model_state_shardings: Any  # NamedShardings of the non-parameter model state
     opt_shardings: Any  # NamedShardings of the optimizer state
+
+    @property
+    def num_replicas(self) -> int:
+        return self.mesh.shape["data"]
+
+
+class Plan(NamedTuple):
+    variant: str  # key into `steps(ctx)`
+    inputs: dict = {}  # small arrays passed to the step as its third argument
+    host_metrics: dict = {}  # floats reported with the step's metrics
+
+
+StepFn = Callable[[TrainState, dict, dict], "tuple[TrainState, dict]"]
 
 
 class Strategy(Protocol):
     name: str
 
-    def init(self, ctx: StepContext, state: TrainState) -> Any:
-        """The strategy's own state, built inside the jitted initialisation from a fresh train state."""
+    def init(self, ctx: StepContext, state: TrainState) -> TrainState: ...
 
-    def state_shardings(self, ctx: StepContext, abstract_state: TrainState) -> Any:
-        """NamedShardings for what `init` returns."""
+    def shardings(self, ctx: StepContext, shardings: TrainState) -> TrainState: ...
 
-    def make_step(self, ctx: StepContext):
-        """A pure function `step(state, batch) -> (state, metrics)`; the trainer jits it once."""
+    def steps(self, ctx: StepContext) -> dict[str, StepFn]: ...
+
+    def plan(self, ctx: StepContext, step_number: int) -> Plan: ...

@@ -1,0 +1,186 @@
+"""Local SGD / periodic averaging, post-local SGD, and DiLoCo.
+
+Each data replica keeps its own parameters, model state and optimizer state (arrays with a leading replica
+dimension sharded over `data`, in `strategy_state`) and takes local steps with no communication at all. Every
+`period` steps the replicas meet:
+
+- `LocalSGD(period=H)`: parameters (and BatchNorm statistics) are averaged (Stich 2019; Lin et al. 2020).
+  `local_after=K` is post-local SGD: the first K steps are ordinary synchronous SGD (gradients averaged, every
+  replica applies the same update), local steps only after that.
+- `DiLoCo(period=H, outer_optimizer=...)`: the averaged change `anchor - mean(replica params)` is a pseudo-gradient
+  for an outer optimizer (Nesterov momentum by default, Douillard et al. 2023) that moves the anchor; replicas
+  restart from it. With `optax.sgd(1.0)` as outer optimizer DiLoCo is exactly LocalSGD.
+
+`state.params` is the anchor: the parameters as of the last meeting (evaluation and `trainer.params` use it).
+Metrics of a meeting step include `replica_divergence`: the mean over replicas of ||theta_i - mean theta|| /
+||mean theta|| just before averaging.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.collectives import allreduce_mean
+from jaxpar.errors import ConfigError
+from jaxpar.sharding import optimizer_shardings
+from jaxpar.step import apply_gradients, loss_and_grad
+from jaxpar.strategies import replicas as rep
+from jaxpar.strategies.base import Plan
+from jaxpar.strategies.simulator import bsp_times
+from jaxpar.strategies.sync import as_stragglers, check_against_mesh, check_allreduce
+
+SHARDED = P("data")
+
+
+class LocalSGD:
+    name = "local_sgd"
+
+    def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
+                 stragglers=None):
+        if not isinstance(period, int) or period < 1:
+            raise ConfigError(f"--sync-period {period!r}: must be an integer >= 1 (1 = average after every step)")
+        if not isinstance(local_after, int) or local_after < 0:
+            raise ConfigError(f"--local-after {local_after!r}: must be an integer >= 0 (0 = local from the start)")
+        check_allreduce(allreduce, torus_x)
+        self.period, self.local_after = period, local_after
+        self.allreduce, self.torus_x = allreduce, torus_x
+        self.stragglers = as_stragglers(stragglers)
+        self._times = np.zeros(0)
+
+    # --- state -----------------------------------------------------------------------------------------------
+    def _anchor_opt_state(self, ctx, params):
+        return ()
+
+    def _anchor_opt_shardings(self, ctx):
+        return ()
+
+    def init(self, ctx, state):
+        count = ctx.num_replicas
+        model_states = [rep.fold_rng_keys(state.model_state, r) for r in range(count)]
+        replica = {"params": rep.stack(state.params, count), "opt_state": rep.stack(state.opt_state, count),
+                   "model_state": jax.tree.map(lambda *xs: jnp.stack(xs), *model_states)}
+        return state._replace(opt_state=self._anchor_opt_state(ctx, state.params), strategy_state=replica)
+
+    def shardings(self, ctx, shardings):
+        check_against_mesh(ctx, self.stragglers, self.allreduce, self.torus_x)
+        replica = {"params": rep.stacked_shardings(shardings.params),
+                   "opt_state": rep.stacked_shardings(shardings.opt_state),
+                   "model_state": rep.stacked_shardings(shardings.model_state)}
+        return shardings._replace(opt_state=self._anchor_opt_shardings(ctx), strategy_state=replica)
+
+    # --- schedule ----------------------------------------------------------------------------------------------
+    def plan(self, ctx, step_number: int) -> Plan:
+        if step_number < self.local_after:
+            variant = "sync"
+        elif (step_number - self.local_after + 1) % self.period == 0:
+            variant = "meet"
+        else:
+            variant = "local"
+        return Plan(variant, {}, {"sim_time": self._time_after(ctx.num_replicas, step_number)})
+
+    def _time_after(self, num_replicas, step_number):
+        if step_number >= len(self._times):  # a pure function of the step number, memoised
+            total = max(2 * step_number + 1, 1024)
+            synced = bsp_times(self.stragglers, num_replicas, self.local_after, 1) if self.local_after else np.zeros(0)
+            start = synced[-1] if len(synced) else 0.0
+            local = start + bsp_times(self.stragglers, num_replicas, total - self.local_after, self.period)
+            self._times = np.concatenate([synced, local])
+        return float(self._times[step_number])
+
+    # --- steps -------------------------------------------------------------------------------------------------
+    def steps(self, ctx):
+        return {"local": self._local_step(ctx), "meet": self._meet_step(ctx), "sync": self._sync_step(ctx)}
+
+    def _replica_update(self, ctx, replica, batch, average_grads: bool):
+        loss, metrics, model_state, grads = loss_and_grad(
+            ctx.graphdef, ctx.loss_fn, replica["params"], replica["model_state"], batch)
+        if average_grads:
+            grads = allreduce_mean(grads, "data", self.allreduce, torus_x=self.torus_x)
+        params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)
+        return {"params": params, "opt_state": opt_state, "model_state": model_state}, {"loss": loss, **metrics}
+
+    def _local_step(self, ctx):
+        def own(replica, batch):
+            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=False)
+            return rep.as_own(replica), rep.as_own(metrics)
+
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SHARDED), out_specs=(SHARDED, SHARDED))
+
+        def step(state, batch, inputs):
+            replica, metrics = sharded(state.strategy_state, batch)  # no collective: replicas never talk
+            return state._replace(step=state.step + 1, strategy_state=replica), _mean_over_replicas(metrics)
+
+        return step
+
+    def _sync_step(self, ctx):
+        def own(replica, anchor_model_state, batch):
+            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=True)
+            model_state = rep.mean_float_state(replica["model_state"], self.allreduce, self.torus_x)
+            replica["model_state"] = model_state
+            anchor = (replica["params"], rep.unfold_rng_keys(model_state, anchor_model_state))
+            metrics = allreduce_mean(metrics, "data", "psum")
+            return rep.as_own(replica), anchor, metrics
+
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), SHARDED), out_specs=(SHARDED, P(), P()))
+
+        def step(state, batch, inputs):
+            replica, (params, model_state), metrics = sharded(state.strategy_state, state.model_state, batch)
+            return state._replace(step=state.step + 1, params=params, model_state=model_state,
+                                  strategy_state=replica), metrics
+
+        return step
+
+    def _meet_step(self, ctx):
+        def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch):
+            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=False)
+            mean_params = allreduce_mean(replica["params"], "data", self.allreduce, torus_x=self.torus_x)
+            distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
+            divergence = distance / jnp.sqrt(rep.tree_sq_norm(mean_params))
+            params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params)
+            model_state = rep.mean_float_state(replica["model_state"], self.allreduce, self.torus_x)
+            replica = {"params": params, "opt_state": replica["opt_state"], "model_state": model_state}
+            metrics = allreduce_mean({**metrics, "replica_divergence": divergence}, "data", "psum")
+            anchor = (params, opt_state, rep.unfold_rng_keys(model_state, anchor_model_state))
+            return rep.as_own(replica), anchor, metrics
+
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), SHARDED),
+                                  out_specs=(SHARDED, P(), P()))
+
+        def step(state, batch, inputs):
+            replica, (params, opt_state, model_state), metrics = sharded(
+                state.strategy_state, state.params, state.opt_state, state.model_state, batch)
+            return state._replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+                                  strategy_state=replica), metrics
+
+        return step
+
+    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
+        return mean_params, anchor_opt_state
+
+
+class DiLoCo(LocalSGD):
+    name = "diloco"
+
+    def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
+                 local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):
+        super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers)
+        self.outer_tx = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+    def _anchor_opt_state(self, ctx, params):
+        return self.outer_tx.init(params)
+
+    def _anchor_opt_shardings(self, ctx):
+        abstract = jax.eval_shape(self.outer_tx.init, ctx.abstract_params)
+        return optimizer_shardings(self.outer_tx, abstract, ctx.param_shardings, ctx.mesh)
+
+    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
+        pseudo_grad = jax.tree.map(jnp.subtract, anchor_params, mean_params)
+        return apply_gradients(self.outer_tx, anchor_params, anchor_opt_state, pseudo_grad)
+
+
+def _mean_over_replicas(metrics):
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)

@@ -1,0 +1,156 @@
+"""Stale-synchronous (SSP) and asynchronous (ASP) updates, emulated exactly on an SPMD mesh.
+
+One SPMD program cannot let replicas run out of step, so the parameter-server semantics are replayed: a host-side
+event simulation (`simulator.simulate_ps`, deterministic from the straggler profile and its seed) decides for every
+server update which replicas deliver a gradient and on which past parameter version each was computed. The device
+keeps the last B versions of the parameters in a ring buffer (sharded like the parameters); each replica reads the
+version it was assigned, computes its gradient on its slice of the batch, and the server applies the mean of the
+delivered gradients to the current parameters. Replicas that deliver nothing are masked out (they still compute:
+an SPMD program runs every replica). Time is simulated; this is an exact emulation of the update rule, not
+wall-clock asynchrony.
+
+- `SSP(staleness=S)`: no delivered gradient is more than S updates stale (B = S + 1). S = 0 is BSP = sync SGD.
+- `ASP()`: never waits; B is the schedule's largest staleness + 1 over `horizon` updates (refused up front if the
+  buffer would not fit in device memory).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.collectives import allreduce_mean
+from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.step import apply_gradients, loss_and_grad
+from jaxpar.strategies import replicas as rep
+from jaxpar.strategies.base import Plan
+from jaxpar.strategies.simulator import simulate_ps
+from jaxpar.strategies.sync import as_stragglers, check_against_mesh, check_allreduce
+
+
+class SSP:
+    name = "ssp"
+
+    def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
+                 horizon: int = 10_000, max_buffer_bytes: int | None = None):
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
+            raise ConfigError(f"--staleness {staleness!r}: must be an integer >= 0 (0 = BSP = sync SGD)")
+        if not isinstance(horizon, int) or horizon < 1:
+            raise ConfigError(f"horizon {horizon!r}: must be an integer >= 1 (the number of updates to plan)")
+        check_allreduce(allreduce, torus_x)
+        self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
+        self.allreduce, self.torus_x = allreduce, torus_x
+        self.stragglers = as_stragglers(stragglers)
+        self._schedule = None
+
+    # --- host-side schedule -------------------------------------------------------------------------------------
+    def schedule(self, num_replicas: int, updates: int):
+        """The simulated updates (memoised; a longer request re-simulates, and the prefix is identical)."""
+        if self._schedule is None or len(self._schedule) < updates:
+            self._schedule = simulate_ps(self.stragglers, num_replicas, self.bound, max(updates, self.horizon))
+        return self._schedule
+
+    def buffer_size(self, num_replicas: int) -> int:
+        if self.bound is not None:
+            return self.bound + 1
+        return int(max(u.staleness.max() for u in self.schedule(num_replicas, self.horizon))) + 1
+
+    def plan(self, ctx, step_number: int) -> Plan:
+        update = self.schedule(ctx.num_replicas, step_number + 1)[step_number]
+        buffer = self.buffer_size(ctx.num_replicas)
+        stale = update.staleness[update.participants]
+        if stale.max() >= buffer:
+            raise JaxparError(f"{self.name}: update {step_number} needs a version {stale.max()} updates old but the "
+                              f"buffer holds {buffer}; plan at least as many updates as you train (horizon)")
+        inputs = {"participation": update.participants.astype(np.float32),
+                  "staleness": update.staleness.astype(np.int32)}
+        return Plan("update", inputs, {"sim_time": update.sim_time, "staleness_mean": float(stale.mean()),
+                                       "staleness_max": float(stale.max()), "contributors": float(len(stale)),
+                                       "version_buffer": float(buffer)})
+
+    # --- state ---------------------------------------------------------------------------------------------------
+    def init(self, ctx, state):
+        buffer = self.buffer_size(ctx.num_replicas)
+        versions = jax.tree.map(lambda x: jnp.broadcast_to(x, (buffer,) + x.shape), state.params)
+        return state._replace(strategy_state={"versions": versions, "version": jnp.zeros((), jnp.int32)})
+
+    def shardings(self, ctx, shardings):
+        check_against_mesh(ctx, self.stragglers, self.allreduce, self.torus_x)
+        buffer = self.buffer_size(ctx.num_replicas)
+        self._check_memory(ctx, buffer)
+        versions = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), shardings.params,
+                                is_leaf=lambda x: isinstance(x, NamedSharding))
+        return shardings._replace(strategy_state={"versions": versions, "version": shardings.step})
+
+    def _check_memory(self, ctx, buffer):
+        per_device = sum(math.prod(s.shard_shape(p.shape)) * p.dtype.itemsize for p, s in zip(
+            jax.tree.leaves(ctx.abstract_params), jax.tree.leaves(ctx.param_shardings)))
+        limit = self.max_buffer_bytes if self.max_buffer_bytes is not None else _device_memory(ctx) // 2
+        if buffer * per_device > limit:
+            raise ConfigError(f"--strategy {self.name}: the schedule's largest staleness is {buffer - 1}, so the "
+                              f"parameter-version buffer needs {buffer} x {per_device:,} bytes per device, more than "
+                              f"the {limit:,} bytes allowed; bound it with --strategy ssp --staleness S, or train "
+                              f"fewer --steps")
+
+    # --- the server update ---------------------------------------------------------------------------------------
+    def steps(self, ctx):
+        buffer, algorithm, torus_x = self.buffer_size(ctx.num_replicas), self.allreduce, self.torus_x
+        replicas = ctx.num_replicas
+
+        def weighted_mean(tree, weight, count):  # mean over the participating replicas only
+            summed = allreduce_mean(jax.tree.map(lambda x: x * weight, tree), "data", algorithm, torus_x=torus_x)
+            return jax.tree.map(lambda x: x * (replicas / count), summed)
+
+        def own(versions, version, model_state, batch, participation, staleness):
+            weight = participation[0]
+            count = allreduce_mean(weight, "data", "psum") * replicas
+            read = jax.tree.map(lambda buf: buf[(version - staleness[0]) % buffer], versions)
+            own_state = rep.fold_rng_keys(model_state, rep.replica_index())
+            loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, read, own_state, batch)
+            grads = weighted_mean(grads, weight, count)
+            new_state = rep.unfold_rng_keys(new_state, model_state)
+            floats = {k: v for k, v in enumerate(jax.tree.leaves(new_state)) if jnp.issubdtype(v.dtype, jnp.floating)}
+            averaged = weighted_mean(floats, weight, count) if floats else {}
+            leaves = [averaged.get(k, v) for k, v in enumerate(jax.tree.leaves(new_state))]
+            new_state = jax.tree.unflatten(jax.tree.structure(new_state), leaves)
+            metrics = weighted_mean({"loss": loss, **metrics}, weight, count)
+            return grads, new_state, metrics
+
+        sharded = rep.per_replica(ctx, own, in_specs=(P(), P(), P(), P("data"), P("data"), P("data")),
+                                  out_specs=(P(), P(), P()))
+
+        def step(state, batch, inputs):
+            versions, version = state.strategy_state["versions"], state.strategy_state["version"]
+            grads, model_state, metrics = sharded(versions, version, state.model_state, batch,
+                                                  inputs["participation"], inputs["staleness"])
+            params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
+            slot = (version + 1) % buffer
+            versions = jax.tree.map(lambda buf, p: buf.at[slot].set(p), versions, params)
+            return state._replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
+                                  strategy_state={"versions": versions, "version": version + 1}), metrics
+
+        return {"update": step}
+
+
+class ASP(SSP):
+    name = "asp"
+
+    def __init__(self, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
+                 horizon: int = 10_000, max_buffer_bytes: int | None = None):
+        super().__init__(None, stragglers=stragglers, allreduce=allreduce, torus_x=torus_x, horizon=horizon,
+                         max_buffer_bytes=max_buffer_bytes)
+
+
+def _device_memory(ctx) -> int:
+    """Bytes one device may use: its reported limit, or on CPU the machine's memory shared by its devices."""
+    device = ctx.mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(len(jax.local_devices(backend=device.platform)), 1)
