@@ -37,6 +37,16 @@ def test_cli_mesh_that_cannot_fit_the_user_chosen_devices_fails_in_one_line():
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_cli_strategy_run_logs_simulated_time_and_staleness(tmp_path, capsys):
+    metrics = tmp_path / "ssp.jsonl"
+    assert run.main(["--mesh", "4x2", "--model", "mlp", "--strategy", "ssp", "--staleness", "1", "--stragglers",
+                     "3:3.0", "--steps", "6", "--log-every", "1", "--metrics", str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][:6]
+    assert [r["sim_time"] for r in records] == [1.0, 3.0, 4.0, 6.0, 7.0, 9.0]
+    assert max(r["staleness_max"] for r in records) == 1.0
+    assert "strategy ssp" in capsys.readouterr().out
+
+
 def test_config_preset_with_flag_override(tmp_path, capsys):
     assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
@@ -59,6 +69,21 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--model", "mlp", "--batch-size", "4096"], "digits training split has 1497 examples, fewer than one global "
                                                  "batch of 4096; use --batch-size 1497 or less"),
     (["--dropout", "1.5"], "--dropout 1.5: must be in [0, 1)"),
+    (["--strategy", "gossip"], "--strategy 'gossip' is not a strategy; choose one of sync, local_sgd, diloco, ssp, asp"),
+    (["--allreduce", "tree"], "--allreduce 'tree' is not one of: psum, ring, torus2d, ps"),
+    (["--strategy", "local_sgd", "--sync-period", "0"], "--sync-period 0: must be an integer >= 1"),
+    (["--strategy", "ssp", "--staleness", "-1"], "--staleness -1: must be an integer >= 0"),
+    (["--strategy", "sync", "--staleness", "2"], "--staleness 2 does not apply to --strategy sync; it applies to ssp"),
+    (["--strategy", "ssp", "--sync-period", "4"], "--sync-period 4 does not apply to --strategy ssp; it applies to "
+                                                  "local_sgd / diloco"),
+    (["--strategy", "local_sgd", "--outer-lr", "0.5"], "--outer-lr 0.5 does not apply to --strategy local_sgd"),
+    (["--strategy", "diloco", "--outer-momentum", "1.0"], "--outer-momentum 1.0: must be in [0, 1)"),
+    (["--torus", "2"], "--torus 2 applies only to --allreduce torus2d"),
+    (["--mesh", "8", "--model", "mlp", "--allreduce", "torus2d", "--torus", "3"],
+     "--torus 3 does not divide the data axis size 8; use one of: 1, 2, 4, 8"),
+    (["--mesh", "4x2", "--strategy", "asp", "--stragglers", "4:2.0"], "--stragglers: replica 4 does not exist"),
+    (["--strategy", "asp", "--stragglers", "3:0"], "--stragglers '3:0'"),
+    (["--strategy", "asp", "--stragglers", "3:x"], "--stragglers '3:x'"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) if "invalid int" in message else _no_raise() as raised:

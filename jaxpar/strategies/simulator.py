@@ -65,6 +65,10 @@ def parse_stragglers(spec: str | None) -> Stragglers:
         return Stragglers()
     slowdown: dict[int, float] = {}
     jitter, seed = 0.0, 0
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"--stragglers {spec!r}: {why}")
+
     for raw in spec.split(","):
         item = raw.strip()
         key, sep, value = item.partition("=") if "=" in item else item.partition(":")
@@ -72,30 +76,26 @@ def parse_stragglers(spec: str | None) -> Stragglers:
         try:
             if sep == "=" and key == "jitter":
                 jitter = float(value)
-                if not (jitter >= 0 and math.isfinite(jitter)):
-                    raise ConfigError(f"--stragglers {spec!r}: jitter {value} must be a finite number >= 0, "
-                                      f"e.g. jitter=0.1")
             elif sep == "=" and key == "seed":
                 seed = int(value)
-                if seed < 0:
-                    raise ConfigError(f"--stragglers {spec!r}: seed {value} must be an integer >= 0, e.g. seed=7")
             elif sep == ":":
                 replica, factor = int(key), float(value)
-                if replica < 0:
-                    raise ConfigError(f"--stragglers {spec!r}: replica {replica} must be >= 0 (a data-axis index)")
-                if replica in slowdown:
-                    raise ConfigError(f"--stragglers {spec!r}: replica {replica} is given twice; "
-                                      f"give each replica one slowdown")
-                if not (factor > 0 and math.isfinite(factor)):
-                    raise ConfigError(f"--stragglers {spec!r}: slowdown {value} of replica {replica} must be a "
-                                      f"finite number > 0 (2.0 = twice as slow)")
-                slowdown[replica] = factor
             else:
                 raise ValueError(item)
-        except ValueError as error:
-            if isinstance(error, ConfigError):
-                raise
-            raise ConfigError(f"--stragglers {spec!r}: cannot read {item!r}; {_SPEC_HELP}") from None
+        except ValueError:
+            raise bad(f"cannot read {item!r}; {_SPEC_HELP}") from None
+        if key == "jitter" and not (jitter >= 0 and math.isfinite(jitter)):
+            raise bad(f"jitter {value} must be a finite number >= 0, e.g. jitter=0.1")
+        if key == "seed" and seed < 0:
+            raise bad(f"seed {value} must be an integer >= 0, e.g. seed=7")
+        if sep == ":":
+            if replica < 0:
+                raise bad(f"replica {replica} must be >= 0 (a data-axis index)")
+            if replica in slowdown:
+                raise bad(f"replica {replica} is given twice; give each replica one slowdown")
+            if not (factor > 0 and math.isfinite(factor)):
+                raise bad(f"slowdown {value} of replica {replica} must be a finite number > 0 (2.0 = twice as slow)")
+            slowdown[replica] = factor
     return Stragglers(slowdown, jitter, seed)
 
 
@@ -127,7 +127,7 @@ def _check_staleness(staleness_bound) -> float:
     return int(staleness_bound)
 
 
-def _check_positive(name: str, value, low: int) -> None:
+def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
 
@@ -143,8 +143,8 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     The bound holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
     """
     bound = _check_staleness(staleness_bound)
-    _check_positive("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_positive("num_updates", num_updates, 0)
+    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    _check_int("num_updates", num_updates, 0)
     # A worker delivers at most once per update, plus one gradient in flight: num_updates + 1 rows suffice.
     costs = compute_times(stragglers, num_replicas, num_updates + 1).tolist()
     replicas = range(num_replicas)
@@ -163,7 +163,7 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
         # Checking only the oldest in-flight read is enough: it is the one the next update makes most stale.
         oldest = min((read[i] for i in replicas if computing[i]), default=None)
         if oldest is not None and version + 1 - oldest > bound:
-            continue  # wait: the next arrival is at least the worker holding the bound
+            continue  # wait for the next arrival; at worst until the worker holding the bound delivers
         participants = np.zeros(num_replicas, bool)
         staleness = np.zeros(num_replicas, np.int64)
         participants[pending] = True
@@ -184,9 +184,9 @@ def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period:
     at its own pace and pays the wait only at the meeting: clock = last meeting + max over replicas of their time
     since it. Between meetings there is no common clock, so those steps report the mean of the replicas' clocks.
     """
-    _check_positive("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_positive("num_steps", num_steps, 0)
-    _check_positive("period (steps between replica meetings)", period, 1)
+    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    _check_int("num_steps", num_steps, 0)
+    _check_int("period (steps between replica meetings)", period, 1)
     costs = compute_times(stragglers, num_replicas, num_steps)
     clocks = np.zeros(num_replicas)
     out = np.empty(num_steps)

@@ -1,0 +1,192 @@
+"""Every strategy at its limit equals sync SGD; SSP/ASP replay the simulated parameter server exactly; local steps
+do not communicate. Tolerances: float32, parameters atol 2e-5 after 5 steps (different summation order)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar.explain import collective_stats
+from jaxpar.strategies.simulator import parse_stragglers, simulate_ps
+from tests.helpers import batch_for, trainer_for
+
+ATOL = 2e-5
+
+
+def train(strategy, mesh="2x4", model="mlp", steps=5, optimizer=None, dropout=0.0):
+    trainer = trainer_for(model, mesh, optimizer=optimizer, strategy=strategy, dropout=dropout)
+    state = trainer.init(0)
+    history = []
+    for step in range(steps):
+        state, metrics = trainer.step(state, batch_for(model, size=16, seed=step))
+        history.append(jax.device_get(metrics))
+    return trainer, state, history
+
+
+def assert_same_params(a, b, atol=ATOL):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=ATOL), a, b)
+
+
+@pytest.mark.parametrize("mesh, model", [("2x4", "mlp"), ("8x1", "transformer"), ("2x4", "transformer")])
+def test_every_allreduce_algorithm_trains_exactly_like_the_compiler_allreduce(mesh, model):
+    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh, model)
+    expected = reference_trainer.params(reference_state)
+    for algorithm in ("psum", "ring", "torus2d", "ps"):
+        trainer, state, history = train(jaxpar.Sync(algorithm), mesh, model)
+        np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
+        assert_same_params(trainer.params(state), expected)
+
+
+@pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=1), jaxpar.DiLoCo(period=1, outer_optimizer=optax.sgd(1.0)),
+                                      jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=4, local_after=5)],
+                         ids=["local_sgd_H1", "diloco_H1_outer_sgd1", "ssp_S0", "post_local_sync_phase"])
+def test_strategies_at_their_limit_equal_sync_sgd(strategy):
+    reference_trainer, reference_state, reference = train(jaxpar.Sync(), "2x4")
+    trainer, state, history = train(strategy, "2x4")
+    np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
+    assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
+
+
+def test_ssp_zero_and_post_local_sync_phase_equal_sync_with_adam_too():
+    reference_trainer, reference_state, _ = train(jaxpar.Sync(), "4x2", optimizer=optax.adam(1e-2))
+    for strategy in (jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=3, local_after=5)):
+        trainer, state, _ = train(strategy, "4x2", optimizer=optax.adam(1e-2))
+        assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
+
+
+def test_diloco_with_outer_sgd_lr_1_is_local_sgd_and_nesterov_differs():
+    local_trainer, local_state, _ = train(jaxpar.LocalSGD(period=2), "4x2", steps=6)
+    diloco_trainer, diloco_state, _ = train(jaxpar.DiLoCo(period=2, outer_optimizer=optax.sgd(1.0)), "4x2", steps=6)
+    assert_same_params(diloco_trainer.params(diloco_state), local_trainer.params(local_state))
+    nesterov_trainer, nesterov_state, _ = train(jaxpar.DiLoCo(period=2), "4x2", steps=6)
+    difference = np.abs(nesterov_trainer.params(nesterov_state)["out"]["kernel"]
+                        - local_trainer.params(local_state)["out"]["kernel"]).max()
+    assert difference > 1e-3
+
+
+def test_local_sgd_schedule_divergence_and_one_compile_per_variant():
+    strategy = jaxpar.LocalSGD(period=3, local_after=2)
+    trainer, state, history = train(strategy, "4x2", steps=8)
+    variants = [strategy.plan(trainer._ctx, n).variant for n in range(8)]
+    assert variants == ["sync", "sync", "local", "local", "meet", "local", "local", "meet"]
+    assert [("replica_divergence" in h) for h in history] == [v == "meet" for v in variants]
+    divergences = [h["replica_divergence"] for h in history if "replica_divergence" in h]
+    assert all(0 < d < 0.5 for d in divergences)
+    assert trainer.trace_counts == {"sync": 1, "local": 1, "meet": 1}
+    # after a meeting every replica holds the anchor
+    replica_params = jax.device_get(state.strategy_state["params"]["hidden"]["kernel"])
+    for r in range(4):
+        np.testing.assert_allclose(replica_params[r], trainer.params(state)["hidden"]["kernel"], atol=1e-6)
+
+
+def test_replica_state_is_sharded_over_data_and_keeps_tensor_parallelism():
+    trainer, state, _ = train(jaxpar.LocalSGD(period=2), "2x4", steps=1)
+    kernel = state.strategy_state["params"]["hidden"]["kernel"]
+    assert kernel.shape == (2, 64, 32)
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("data", None, "model")
+    assert kernel.addressable_shards[0].data.shape == (1, 64, 8)
+
+
+def compiled_stats(trainer, state, variant, model="mlp"):
+    batch = trainer.shard_batch(batch_for(model, size=16))
+    inputs = trainer.strategy.plan(trainer._ctx, 0).inputs
+    return collective_stats(trainer._steps[variant].lower(state, batch, inputs).compile())
+
+
+def test_local_step_has_no_cross_replica_collective_on_parameters():
+    trainer = trainer_for("mlp", "8x1", strategy=jaxpar.LocalSGD(period=4))
+    state = trainer.init(0)
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    local = compiled_stats(trainer, state, "local")
+    meet = compiled_stats(trainer, state, "meet")
+    assert local.get("collective-permute", {"count": 0})["count"] == 0
+    assert local.get("all-gather", {"count": 0})["count"] == 0
+    assert local.get("all-reduce", {"bytes": 0})["bytes"] <= 64  # only the scalar metrics' mean
+    assert meet["all-reduce"]["bytes"] >= param_bytes  # the meeting averages every parameter
+
+
+def mlp_loss(params, images, labels):
+    hidden = jax.nn.relu(images.reshape(len(images), -1) @ params["hidden"]["kernel"] + params["hidden"]["bias"])
+    logits = hidden @ params["out"]["kernel"] + params["out"]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@pytest.mark.parametrize("strategy_factory, bound", [(lambda s: jaxpar.SSP(staleness=1, stragglers=s), 1),
+                                                     (lambda s: jaxpar.ASP(stragglers=s, horizon=12), None)],
+                         ids=["ssp1", "asp"])
+def test_stale_updates_replay_the_simulated_parameter_server_exactly(strategy_factory, bound):
+    """Reference: a plain single-device loop that applies, at each server update, the mean gradient of the
+    participants, each computed on the parameter version it read and its own slice of that step's batch."""
+    stragglers, replicas, steps, lr = "1:3.0,3:2.0", 4, 12, 0.1
+    trainer, state, history = train(strategy_factory(stragglers), "4x2", steps=steps, optimizer=optax.sgd(lr))
+    schedule = simulate_ps(parse_stragglers(stragglers), replicas, bound, steps)
+    assert max(u.staleness.max() for u in schedule) >= 1  # the test exercises stale reads
+    versions = [trainer_for("mlp", "1x1").params(trainer_for("mlp", "1x1").init(0))]
+    for step, update in enumerate(schedule):
+        batch = batch_for("mlp", size=16, seed=step)
+        grads = []
+        for r in np.flatnonzero(update.participants):
+            rows = slice(4 * r, 4 * r + 4)
+            read = versions[step - update.staleness[r]]
+            grads.append(jax.grad(mlp_loss)(read, batch["image"][rows], batch["label"][rows]))
+        mean_grad = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+        versions.append(jax.tree.map(lambda p, g: p - lr * g, versions[-1], mean_grad))
+        assert history[step]["contributors"] == update.participants.sum()
+        assert history[step]["staleness_max"] == update.staleness[update.participants].max()
+    assert_same_params(trainer.params(state), jax.tree.map(np.asarray, versions[-1]), atol=1e-5)
+
+
+def test_asp_refuses_a_version_buffer_that_does_not_fit():
+    with pytest.raises(jaxpar.ConfigError, match=r"--strategy asp: the schedule's largest staleness is 1, so the "
+                                                 r"parameter-version buffer needs 2 x [\d,]+ bytes per device"):
+        trainer_for("mlp", "4x2", strategy=jaxpar.ASP(stragglers="3:2.0", horizon=50, max_buffer_bytes=1000))
+
+
+def test_asp_slow_replica_contributes_half_as_often_on_device():
+    trainer, state, history = train(jaxpar.ASP(stragglers="3:2.0", horizon=20), "4x2", steps=20)
+    assert sum(h["contributors"] for h in history) == 20 * 3 + 10
+    assert [h["sim_time"] for h in history] == list(range(1, 21))
+    assert history[-1]["version_buffer"] == 2
+
+
+def test_sync_charges_the_slowest_replica_and_local_sgd_waits_only_at_meetings():
+    _, _, sync = train(jaxpar.Sync(stragglers="3:2.0"), "4x2", steps=4)
+    assert [h["sim_time"] for h in sync] == [2.0, 4.0, 6.0, 8.0]
+    _, _, local = train(jaxpar.LocalSGD(period=2, stragglers="3:2.0"), "4x2", steps=4)
+    assert [h["sim_time"] for h in local] == [1.25, 4.0, 5.25, 8.0]
+
+
+def test_explicit_strategies_draw_different_dropout_masks_per_replica():
+    """The mechanism every shard_map strategy uses: the replica index is folded into the dropout key."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.strategies import replicas as rep
+    from tests.test_equivalence import Dropper
+
+    trainer = jaxpar.Trainer(Dropper, lambda m, b: (m(b["x"]).sum(), {}), optax.sgd(0.0), jaxpar.make_mesh("8x1"),
+                             strategy=jaxpar.Sync("psum"))
+    state = trainer.init(0)
+
+    def own_mask(params, model_state):
+        model = nnx.merge(trainer._ctx.graphdef, params, rep.fold_rng_keys(model_state, rep.replica_index()))
+        return (model(jnp.ones((1, 64))) != 0)
+
+    masks = jax.jit(rep.per_replica(trainer._ctx, own_mask, in_specs=(P(), P()), out_specs=P("data")))(
+        state.params, state.model_state)
+    masks = np.asarray(masks)
+    assert masks.shape == (8, 64)
+    assert len({row.tobytes() for row in masks}) == 8
+    # and the strategy trains with them
+    state, metrics = trainer.step(state, {"x": np.ones((8, 64), np.float32)})
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_300_steps_of_ring_allreduce_through_the_real_loop():
+    trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=jaxpar.Sync("ring"))
+    from jaxpar import data
+    train_split, _ = data.load_digits()
+    state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300)
+    assert int(state.step) == 300
