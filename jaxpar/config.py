@@ -49,6 +49,19 @@ class Config:
     outer_momentum: float | None = None  # diloco: outer momentum (default 0.9)
     staleness: int | None = None  # ssp: largest staleness S of an applied gradient (default 2; 0 = BSP)
     stragglers: str | None = None  # simulated worker speeds, e.g. "3:2.0" (replica 3 2x slower), ",jitter=0.1"
+    # --- large-batch toolkit ---
+    eval_every: int = 0  # evaluate on the held-out split every N steps (0: only at the end)
+    lr_scaling: str = "none"  # none | linear | sqrt: lr x (global batch / base_batch_size) or its square root
+    base_batch_size: int | None = None  # the batch size `lr` was tuned for (default: the first global batch size)
+    warmup_steps: int = 0  # linear warmup from lr/W to lr over the first W steps
+    lr_schedule: str = "constant"  # constant | cosine | step (after warmup)
+    lr_decay_steps: str | None = None  # step schedule: comma-separated steps (default: 50% and 75% of --steps)
+    lr_decay_factor: float = 0.1  # step schedule: multiply lr by this at each decay step
+    batch_ramp: str | None = None  # progressive global batch "SIZE:FROM_STEP,...", e.g. "32:0,64:100"; replaces batch_size
+    label_smoothing: float = 0.0  # classification / LM targets (1 - eps) one-hot + eps / classes
+    grad_accum: int = 1  # microbatches per update; must divide the per-replica batch
+    bn: str | None = None  # BatchNorm statistics: sync (global batch) | local (each data shard); cnn only
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters and optimizer state stay float32)
     # --- transformer ---
     layers: int = 2  # transformer blocks
     d_model: int = 128  # width of the residual stream
@@ -86,6 +99,7 @@ class Config:
         if self.model == "transformer" and self.vocab < 256:
             raise ConfigError(f"--vocab {self.vocab}: byte-level text needs a vocabulary of at least 256")
         self._validate_strategy()
+        self._validate_large_batch()
         if self.metrics is not None:
             parent = os.path.dirname(os.path.abspath(self.metrics))
             if not os.path.isdir(parent):
@@ -116,6 +130,45 @@ class Config:
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"--outer-momentum {self.outer_momentum!r}: must be in [0, 1), e.g. 0.9")
         parse_stragglers(self.stragglers)
+
+
+    def _validate_large_batch(self) -> None:
+        from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+
+        for flag, value, low in (("--eval-every", self.eval_every, 0), ("--warmup-steps", self.warmup_steps, 0),
+                                 ("--grad-accum", self.grad_accum, 1), ("--base-batch-size", self.base_batch_size, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
+        for flag, value, choices in (("--lr-scaling", self.lr_scaling, LR_SCALINGS),
+                                     ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
+                                     ("--dtype", self.dtype, ("float32", "bfloat16")),
+                                     ("--bn", self.bn, ("sync", "local", None))):
+            if value not in choices:
+                raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(c for c in choices if c)}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"--label-smoothing {self.label_smoothing!r}: must be in [0, 1), e.g. 0.1")
+        if not 0 < self.lr_decay_factor <= 1:
+            raise ConfigError(f"--lr-decay-factor {self.lr_decay_factor!r}: must be in (0, 1], e.g. 0.1")
+        if self.lr_decay_steps is not None:
+            if self.lr_schedule != "step":
+                raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {self.lr_schedule})")
+            self.decay_steps()
+        if self.bn is not None and self.model != "cnn":
+            raise ConfigError(f"--bn {self.bn}: the {self.model} model has no BatchNorm; --bn applies to --model cnn")
+        if self.bn == "sync" and (self.strategy != "sync" or self.allreduce is not None):
+            raise ConfigError(f"--bn sync needs --strategy sync without --allreduce; the explicit strategies "
+                              f"normalise each replica's slice (use --bn local)")
+        if self.batch_ramp is not None:
+            parse_batch_ramp(self.batch_ramp)
+
+    def decay_steps(self) -> tuple[int, ...] | None:
+        if self.lr_decay_steps is None:
+            return None
+        parts = [p.strip() for p in str(self.lr_decay_steps).split(",")]
+        if not all(p.isdigit() for p in parts) or [int(p) for p in parts] != sorted({int(p) for p in parts}):
+            raise ConfigError(f"--lr-decay-steps {self.lr_decay_steps!r}: must be increasing step numbers, "
+                              f"e.g. 1000,2000")
+        return tuple(int(p) for p in parts)
 
 
 def load_config_file(path: str) -> Config:

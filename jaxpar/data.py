@@ -1,25 +1,78 @@
-"""Datasets that ship with the machine, and deterministic global-batch iterators.
+"""Datasets that ship with the machine, and a deterministic, resumable, per-process global-batch pipeline.
 
+Sources (random access by example index, never downloaded):
 - digits: scikit-learn's 1,797 8x8 handwritten digits (bundled with the package), split 1,497 train / 300 test.
 - text: bytes of a text file or a folder of text files (`--data`), or by default the Python standard library's
-  `.py` files in sorted order: real text present on every machine, never downloaded.
+  `.py` files in sorted order; cut into windows of seq_len + 1 bytes, split train / validation.
+- synthetic: seeded random images or tokens of any size, for benchmarks.
 
-Iterators yield global batches as numpy dicts; the trainer splits them over `data`. The order is a pure function of
-(seed, epoch) or (seed, step), so a run is reproducible and independent of the mesh.
+`Batches` draws example indices from grain's shuffled, endlessly repeated index stream (a new permutation every
+epoch, a pure function of (seed, epoch)), so a batch is a pure function of its position in that stream: the
+iterator state is two integers and restores exactly. Each process loads only its own rows of the global batch.
+`prefetch_to_device` keeps the next batches' host-to-device copies in flight while the current step runs.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import grain
+import jax
 import numpy as np
 
 from jaxpar.errors import DataError
 
 DIGITS_TEST_SIZE = 300
 DEFAULT_CORPUS_BYTES = 4 << 20  # enough text for thousands of steps of the default model
+
+
+# --- sources -----------------------------------------------------------------------------------------------------
+class ArraySource:
+    """Examples are rows of equally long arrays."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]):
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[indices] for k, v in self.arrays.items()}
+
+
+class TextWindows:
+    """Example k is the window tokens[k*seq_len : k*seq_len + seq_len + 1] ({"tokens": int32 [seq_len + 1]})."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return max((len(self.tokens) - 1) // self.seq_len, 0)
+
+    def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        starts = np.asarray(indices)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        return {"tokens": self.tokens[starts].astype(np.int32)}
+
+
+class SyntheticSource:
+    """Seeded random examples (`kind` "image": 8x8x1 images + 10 labels; "tokens": byte sequences)."""
+
+    def __init__(self, kind: str = "image", size: int = 4096, seq_len: int = 128, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        if kind == "image":
+            self._source = ArraySource({"image": rng.random((size, 8, 8, 1), dtype=np.float32),
+                                        "label": rng.integers(0, 10, size).astype(np.int32)})
+        else:
+            self._source = TextWindows(rng.integers(0, 256, size * seq_len + 1).astype(np.uint8), seq_len)
+
+    def __len__(self):
+        return len(self._source)
+
+    def __getitem__(self, indices):
+        return self._source[indices]
 
 
 def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -29,7 +82,7 @@ def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     bunch = sklearn_digits()
     images = (bunch.images.astype(np.float32) / 16.0)[..., None]
     labels = bunch.target.astype(np.int32)
-    order = np.random.default_rng(0).permutation(len(labels))  # fixed split, whatever the run's seed
+    order = np.random.default_rng(0).permutation(len(labels))  # a fixed split, whatever the run's seed
     test, train = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
     return {"image": images[train], "label": labels[train]}, {"image": images[test], "label": labels[test]}
 
@@ -76,31 +129,83 @@ def split_text(tokens: np.ndarray, validation_fraction: float = 0.05) -> tuple[n
     return tokens[:cut], tokens[cut:]
 
 
-def array_batches(arrays: dict[str, np.ndarray], global_batch: int, seed: int, name: str = "dataset"
-                  ) -> Iterator[dict[str, np.ndarray]]:
-    """Endless epochs of shuffled batches without replacement; the last partial batch of an epoch is dropped."""
-    size = len(next(iter(arrays.values())))
-    if size < global_batch:
-        raise DataError(f"{name} has {size} examples, fewer than one global batch of {global_batch}; "
-                        f"use --batch-size {size} or less")
-    epoch = 0
-    while True:
-        order = np.random.default_rng((seed, epoch)).permutation(size)
-        for start in range(0, size - global_batch + 1, global_batch):
-            index = order[start:start + global_batch]
-            yield {k: v[index] for k, v in arrays.items()}
-        epoch += 1
+# --- batches -----------------------------------------------------------------------------------------------------
+class Batches(Iterator):
+    """Endless global batches (this process's rows of them) from a source, in a seeded order.
+
+    `batch_size` is an int or a function step -> int (a batch-size ramp). Every epoch is a fresh permutation; a batch
+    may straddle two epochs, so no example is dropped or repeated within an epoch.
+    """
+
+    def __init__(self, source, batch_size: int | Callable[[int], int], seed: int, name: str = "dataset",
+                 shuffle: bool = True, largest_batch: int | None = None):
+        source = ArraySource(source) if isinstance(source, dict) else source
+        self.source, self.name = source, name
+        self._size_at = batch_size if callable(batch_size) else (lambda step: batch_size)
+        largest = largest_batch or self._size_at(0)
+        if len(source) < largest:
+            raise DataError(f"{name} has {len(source)} examples, fewer than one global batch of {largest}; "
+                            f"use --batch-size {len(source)} or less")
+        order = grain.MapDataset.range(len(source))
+        self._order = (order.shuffle(seed=seed) if shuffle else order).repeat(None)
+        self.position, self.step = 0, 0
+
+    def get_state(self) -> dict:
+        return {"position": self.position, "step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.position, self.step = int(state["position"]), int(state["step"])
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        size = self._size_at(self.step)
+        low, high = process_rows(size)
+        indices = np.fromiter((self._order[self.position + k] for k in range(low, high)), np.int64, high - low)
+        self.position += size
+        self.step += 1
+        return self.source[indices]
 
 
-def text_batches(tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, name: str = "text"
-                 ) -> Iterator[dict[str, np.ndarray]]:
-    """Endless batches of random windows of seq_len + 1 bytes ({"tokens": int32 [B, seq_len + 1]})."""
-    window = seq_len + 1
-    if len(tokens) < window:
-        raise DataError(f"{name} has {len(tokens)} bytes, fewer than one sequence of {window}; "
+def array_batches(arrays: dict[str, np.ndarray], global_batch, seed: int, name: str = "dataset") -> Batches:
+    return Batches(ArraySource(arrays), global_batch, seed, name)
+
+
+def text_batches(tokens: np.ndarray, global_batch, seq_len: int, seed: int, name: str = "text") -> Batches:
+    if len(tokens) < seq_len + 1:
+        raise DataError(f"{name} has {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}; "
                         f"use --seq-len {max(len(tokens) - 1, 1)} or less, or more text")
-    step = 0
-    while True:
-        starts = np.random.default_rng((seed, step)).integers(0, len(tokens) - window + 1, size=global_batch)
-        yield {"tokens": np.stack([tokens[s:s + window] for s in starts]).astype(np.int32)}
-        step += 1
+    return Batches(TextWindows(tokens, seq_len), global_batch, seed, name)
+
+
+def process_rows(global_size: int) -> tuple[int, int]:
+    """This process's contiguous rows of a global batch (data-axis devices are ordered by process)."""
+    count, index = jax.process_count(), jax.process_index()
+    if global_size % count:
+        raise DataError(f"global batch {global_size} does not divide over {count} processes")
+    per_process = global_size // count
+    return index * per_process, (index + 1) * per_process
+
+
+class prefetch_to_device(Iterator):
+    """Keeps `size` batches already placed on the devices (`put` is e.g. `trainer.shard_batch`): transfers are
+    asynchronous in JAX, so the next batches' copies overlap the running step. `get_state` is the state of the
+    next batch to be consumed, not of the last one fetched."""
+
+    def __init__(self, batches: Batches, put: Callable, size: int = 2):
+        self.batches, self.put, self.size = batches, put, size
+        self._queue = collections.deque()
+
+    def _fill(self):
+        while len(self._queue) < self.size:
+            state = self.batches.get_state()
+            self._queue.append((state, self.put(next(self.batches))))
+
+    def __next__(self):
+        self._fill()
+        return self._queue.popleft()[1]
+
+    def get_state(self) -> dict:
+        return self._queue[0][0] if self._queue else self.batches.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._queue.clear()
+        self.batches.set_state(state)

@@ -19,31 +19,48 @@ from jaxpar.config import Config
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh, parse_mesh_spec
 from jaxpar.metrics import RunLogger
+from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.trainer import Trainer
 
 
-def _check_batch(config: Config, data_size: int) -> None:
-    if config.batch_size % data_size:
-        good = max(data_size, config.batch_size // data_size * data_size)
-        raise ConfigError(f"--batch-size {config.batch_size} does not divide by the data-axis size {data_size} "
-                          f"(--mesh {config.mesh}); use a multiple of {data_size}, e.g. --batch-size {good}")
+def batch_sizes(config: Config, data_size: int) -> list[int]:
+    """Every global batch size the run will use, checked against the data axis and --grad-accum."""
+    if config.batch_ramp:
+        sizes = [size for _, size in parse_batch_ramp(config.batch_ramp, data_size)]
+        flag = "--batch-ramp"
+    else:
+        sizes, flag = [config.batch_size], "--batch-size"
+    for size in sizes:
+        if size % data_size:
+            good = max(data_size, size // data_size * data_size)
+            raise ConfigError(f"{flag} {size} does not divide by the data-axis size {data_size} (--mesh "
+                              f"{config.mesh}); use a multiple of {data_size}, e.g. {flag} {good}")
+        if (size // data_size) % config.grad_accum:
+            raise ConfigError(f"--grad-accum {config.grad_accum} does not divide the per-replica batch "
+                              f"{size // data_size} ({flag} {size} / data axis {data_size})")
+    return sizes
 
 
-def datasets(config: Config):
-    """(train batch iterator, held-out split, held-out batch iterator factory) for the config's model."""
+def datasets(config: Config, size_at, largest: int):
+    """(train batches, held-out source or None) for the config's model."""
     if config.model == "transformer":
         train_tokens, val_tokens = data.split_text(data.load_text(config.data))
-        train = data.text_batches(train_tokens, config.batch_size, config.seq_len, config.seed, "training text")
-        return train, lambda: data.text_batches(val_tokens, config.batch_size, config.seq_len, seed=1)
-    if config.data is not None:
-        raise ConfigError(f"--data {config.data!r}: the {config.model} model trains on the built-in digits dataset; "
-                          f"--data applies to --model transformer")
-    train_split, test_split = data.load_digits()
-    train = data.array_batches(train_split, config.batch_size, config.seed, "digits training split")
-    if len(test_split["label"]) < config.batch_size:
-        return train, None
-    return train, lambda: data.array_batches(test_split, config.batch_size, seed=1)
+        if len(train_tokens) < config.seq_len + 1:
+            raise ConfigError(f"--data {config.data!r}: {len(train_tokens)} training bytes, fewer than one sequence "
+                              f"of {config.seq_len + 1}")
+        train = data.Batches(data.TextWindows(train_tokens, config.seq_len), size_at, config.seed, "training text",
+                             largest_batch=largest)
+        held_out = data.TextWindows(val_tokens, config.seq_len)
+    else:
+        if config.data is not None:
+            raise ConfigError(f"--data {config.data!r}: the {config.model} model trains on the built-in digits "
+                              f"dataset; --data applies to --model transformer")
+        train_split, test_split = data.load_digits()
+        train = data.Batches(data.ArraySource(train_split), size_at, config.seed, "digits training split",
+                             largest_batch=largest)
+        held_out = data.ArraySource(test_split)
+    return train, held_out if len(held_out) >= largest else None
 
 
 def train(config: Config) -> dict:
@@ -51,47 +68,68 @@ def train(config: Config) -> dict:
     config.validate()
     data_axis = parse_mesh_spec(config.mesh)[0]
     if data_axis != -1:
-        _check_batch(config, data_axis)
-    train_batches, eval_batches = datasets(config)
+        batch_sizes(config, data_axis)
+    ramp = parse_batch_ramp(config.batch_ramp) if config.batch_ramp else None
+    size_at = batch_size_fn(config.batch_size, ramp)
+    largest = max(batch_sizes(config, 1))
+    train_batches, held_out = datasets(config, size_at, largest)
     mesh = make_mesh(config.mesh)
-    _check_batch(config, mesh.shape["data"])
+    data_size = mesh.shape["data"]
+    batch_sizes(config, data_size)
 
-    trainer = Trainer(model=models.factory(config), loss_fn=models.LOSSES[config.model],
-                      optimizer=optax.adamw(config.lr, weight_decay=config.weight_decay), mesh=mesh,
-                      rules=config.rules, strategy=strategy_from_config(config))
+    schedule = lr_schedule(config.lr, config.steps, scaling=config.lr_scaling, base_batch_size=config.base_batch_size,
+                           batch_at=size_at, warmup_steps=config.warmup_steps, schedule=config.lr_schedule,
+                           decay_steps=config.decay_steps(), decay_factor=config.lr_decay_factor)
+    explicit = config.strategy != "sync" or config.allreduce is not None  # shard_map: each replica sees its slice
+    local_bn = config.bn == "local" or explicit
+    bn_groups = data_size if local_bn and not explicit else 1  # under shard_map the slice is already local
+    trainer = Trainer(model=models.factory(config, bn_groups=bn_groups),
+                      loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
+                      optimizer=optax.adamw(schedule, weight_decay=config.weight_decay), mesh=mesh,
+                      rules=config.rules, strategy=strategy_from_config(config), grad_accum=config.grad_accum)
     state = trainer.init(config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    devices = mesh.devices.flat[0].platform
-    print(f"jaxpar: {config.model} ({n_params:,} parameters) on mesh data={mesh.shape['data']} x "
-          f"model={mesh.shape['model']} ({mesh.size} {devices} devices); global batch {config.batch_size} "
-          f"({config.batch_size // mesh.shape['data']} per replica); strategy {config.strategy}; {config.steps} steps",
-          flush=True)
+    print(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh data={data_size} x "
+          f"model={mesh.shape['model']} ({mesh.size} {mesh.devices.flat[0].platform} devices); global batch "
+          f"{config.batch_ramp or config.batch_size} ({size_at(0) // data_size} per replica at first); strategy "
+          f"{config.strategy}; BatchNorm {'local' if local_bn else 'sync'} if any; {config.steps} steps", flush=True)
 
-    logger = RunLogger(config.steps, config.batch_size, config.log_every, config.metrics)
+    logger = RunLogger(config.steps, size_at, config.log_every, config.metrics)
     last = {}
+
+    def on_step(step, metrics):
+        metrics = {**metrics, "lr": float(schedule(step - 1)), "batch_size": float(size_at(step - 1))}
+        last.update(metrics)
+        logger.on_step(step, metrics)
+
+    batches = data.prefetch_to_device(train_batches, trainer.shard_batch)
     try:
-        started = time.perf_counter()
-        state = trainer.fit(state, train_batches, config.steps,
-                            lambda step, metrics: (last.update(metrics), logger.on_step(step, metrics)))
+        started, done, held = time.perf_counter(), 0, {}
+        while done < config.steps:
+            chunk = min(config.eval_every or config.steps, config.steps - done)
+            state = trainer.fit(state, batches, chunk, on_step)
+            done += chunk
+            if held_out is not None and (config.eval_every or done == config.steps):
+                held = evaluate(trainer, state, held_out, largest, config)
+                logger.write({"step": done, **{"eval_" + k: v for k, v in held.items()}})
+                print(f"held-out at step {done}: " + "  ".join(f"{k} {v:.4g}" for k, v in held.items()), flush=True)
         seconds = time.perf_counter() - started
-        summary = {"final_" + k: v for k, v in last.items()}
-        summary.update(steps=config.steps, seconds=seconds, steps_per_sec=config.steps / seconds)
-        if eval_batches is not None and config.eval_batches:
-            held_out = evaluate(trainer, state, eval_batches(), config.eval_batches)
-            if config.model == "transformer":
-                held_out["perplexity"] = math.exp(held_out["loss"])
-            logger.write({"step": config.steps, **{"eval_" + k: v for k, v in held_out.items()}})
-            print("held-out: " + "  ".join(f"{k} {v:.4g}" for k, v in held_out.items()), flush=True)
-            summary.update({"eval_" + k: v for k, v in held_out.items()})
     finally:
         logger.close()
+    summary = {"final_" + k: v for k, v in last.items()}
+    summary.update(steps=config.steps, seconds=seconds, steps_per_sec=config.steps / seconds)
+    summary.update({"eval_" + k: v for k, v in held.items()})
     return summary
 
 
-def evaluate(trainer: Trainer, state, batches, count: int) -> dict[str, float]:
-    """Mean of the eval-mode metrics over `count` batches."""
+def evaluate(trainer: Trainer, state, source, batch_size: int, config: Config) -> dict[str, float]:
+    """Mean eval-mode metrics over the first `config.eval_batches` batches of the held-out split (fixed order)."""
+    count = min(config.eval_batches, len(source) // batch_size)
+    batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False)
     totals: dict[str, float] = {}
     for _ in range(count):
         for k, v in jax.device_get(trainer.evaluate(state, next(batches))).items():
             totals[k] = totals.get(k, 0.0) + float(v) / count
+    if config.model == "transformer" and "loss" in totals:
+        totals["perplexity"] = math.exp(totals["loss"])
     return totals

@@ -14,9 +14,11 @@ from typing import IO
 
 
 class RunLogger:
-    def __init__(self, total_steps: int, global_batch: int, log_every: int, jsonl_path: str | None = None,
+    def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: str | None = None,
                  stream: IO[str] | None = None):
-        self.total_steps, self.global_batch, self.log_every = total_steps, global_batch, log_every
+        self.total_steps, self.log_every = total_steps, log_every
+        # global batch size of step n (0-based): an int, or a function for a batch-size ramp
+        self.batch_at = global_batch if callable(global_batch) else (lambda step: global_batch)
         self.stream = stream
         self._file = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
         self._start = self._last_time = time.perf_counter()
@@ -26,7 +28,8 @@ class RunLogger:
         if step % self.log_every and step not in (1, self.total_steps):
             return
         now = time.perf_counter()
-        rate = (step - self._last_step) * self.global_batch / max(now - self._last_time, 1e-9)
+        samples = sum(self.batch_at(n) for n in range(self._last_step, step))
+        rate = samples / max(now - self._last_time, 1e-9)
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
         self._last_step, self._last_time = step, now
         self.write(record)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -31,8 +34,15 @@ def split_model(model: nnx.Module):
     return nnx.split(model, nnx.Param, ...)
 
 
-def loss_and_grad(graphdef, loss_fn: LossFn, params, model_state, batch):
-    """Returns (loss, metrics, new model_state, grads) of `loss_fn(model, batch)` with respect to params."""
+def loss_and_grad(graphdef, loss_fn: LossFn, params, model_state, batch, accum: int = 1):
+    """Returns (loss, metrics, new model_state, grads) of `loss_fn(model, batch)` with respect to params.
+
+    accum > 1: gradient accumulation over `accum` equal microbatches (scanned, so activations of one microbatch are
+    alive at a time); for a mean loss the result equals the full batch's. Microbatch m takes rows m, m + accum, ...,
+    so every microbatch keeps its share of every data shard and nothing moves between devices.
+    """
+    if accum > 1:
+        return _accumulated(graphdef, loss_fn, params, model_state, batch, accum)
 
     model = nnx.merge(graphdef, params, model_state)
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
@@ -51,3 +61,17 @@ def evaluate_batch(graphdef, loss_fn: LossFn, params, model_state, batch):
     model = nnx.merge(graphdef, params, model_state)
     loss, metrics = loss_fn(model, batch)
     return {"loss": loss, **metrics}
+
+
+def _accumulated(graphdef, loss_fn, params, model_state, batch, accum):
+    micro = jax.tree.map(lambda x: x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1), batch)
+
+    def one(carry, microbatch):  # params ride in the carry: NNX modules may only be built at their own trace level
+        grads_sum, p, state = carry
+        loss, metrics, state, grads = loss_and_grad(graphdef, loss_fn, p, state, microbatch)
+        return (jax.tree.map(jnp.add, grads_sum, grads), p, state), (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads_sum, _, model_state), (losses, metrics) = jax.lax.scan(one, (zeros, params, model_state), micro)
+    mean = functools.partial(jnp.mean, axis=0)
+    return mean(losses), jax.tree.map(mean, metrics), model_state, jax.tree.map(lambda g: g / accum, grads_sum)

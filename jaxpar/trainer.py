@@ -34,9 +34,11 @@ from jaxpar.strategies import StepContext, Strategy, Sync
 class Trainer:
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh,
-                 rules: Mapping[str, str | None] = shd.DEFAULT_RULES, strategy: Strategy | None = None):
+                 rules: Mapping[str, str | None] = shd.DEFAULT_RULES, strategy: Strategy | None = None,
+                 grad_accum: int = 1, eval_loss_fn: LossFn | None = None):
         self.mesh, self.rules, self.strategy = mesh, dict(rules), strategy or Sync()
-        self._factory, self._loss_fn, self._tx = model, loss_fn, optimizer
+        self._factory, self._loss_fn, self._tx, self.grad_accum = model, loss_fn, optimizer, grad_accum
+        self._eval_loss_fn = eval_loss_fn or loss_fn  # e.g. the loss without label smoothing
         shd.validate_rules(self.rules, mesh)
 
         with nnx.use_eager_sharding(False):
@@ -49,7 +51,8 @@ class Trainer:
         param_sh = shd.state_shardings(abs_params, self.rules, mesh)
         model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh)
         opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
-        self._ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh)
+        self._ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh,
+                                grad_accum)
         base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, ())
         self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
@@ -76,7 +79,7 @@ class Trainer:
         return fn(state, batch, inputs)
 
     def _eval_step(self, state, batch):
-        return evaluate_batch(self._eval_graphdef, self._loss_fn, state.params, state.model_state, batch)
+        return evaluate_batch(self._eval_graphdef, self._eval_loss_fn, state.params, state.model_state, batch)
 
     # --- public API ----------------------------------------------------------------------------------------------
     @property
@@ -100,8 +103,18 @@ class Trainer:
         if size % self.data_size:
             raise JaxparError(f"global batch size {size} does not divide by the data-axis size {self.data_size}; "
                               f"use a multiple of {self.data_size} (--batch-size)")
-        return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding
-                else jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
+        if (size // self.data_size) % self.grad_accum:
+            raise JaxparError(f"--grad-accum {self.grad_accum} does not divide the per-replica batch "
+                              f"{size // self.data_size} (global {size} / data axis {self.data_size}); use a divisor "
+                              f"of {size // self.data_size}")
+        return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding else self._place(v)
+                for k, v in batch.items()}
+
+    def _place(self, rows):
+        if jax.process_count() == 1:
+            return jax.device_put(rows, self.batch_sharding)
+        # several processes: each holds only its rows of the global batch (see jaxpar.data.process_rows)
+        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))
 
     def step(self, state: TrainState, batch, step_number: int | None = None
              ) -> tuple[TrainState, dict[str, jax.Array]]:

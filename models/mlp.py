@@ -10,10 +10,10 @@ from models.layers import dense
 
 class MLP(nnx.Module):
     def __init__(self, in_features: int = 64, hidden: int = 128, num_classes: int = 10, dropout: float = 0.0,
-                 *, rngs: nnx.Rngs):
-        self.hidden = dense(in_features, hidden, ("embed", "mlp"), rngs)  # column parallel
+                 dtype=None, *, rngs: nnx.Rngs):
+        self.hidden = dense(in_features, hidden, ("embed", "mlp"), rngs, dtype=dtype)  # column parallel
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.out = dense(hidden, num_classes, ("mlp", None), rngs)  # row parallel
+        self.out = dense(hidden, num_classes, ("mlp", None), rngs, dtype=dtype)  # row parallel
         self.in_features = in_features
 
     def __call__(self, images_BxHxWxC: jax.Array) -> jax.Array:

@@ -17,11 +17,11 @@ _init = nnx.initializers.normal(0.02)
 
 
 class Attention(nnx.Module):
-    def __init__(self, d_model: int, heads: int, dropout: float, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, heads: int, dropout: float, rngs: nnx.Rngs, dtype=None):
         head_dim = d_model // heads
-        self.qkv = nnx.LinearGeneral(d_model, (3, heads, head_dim), use_bias=False, rngs=rngs,
+        self.qkv = nnx.LinearGeneral(d_model, (3, heads, head_dim), use_bias=False, rngs=rngs, dtype=dtype,
                                      kernel_init=nnx.with_partitioning(_init, ("embed", None, "heads", "kv")))
-        self.out = nnx.LinearGeneral((heads, head_dim), d_model, axis=(-2, -1), use_bias=False, rngs=rngs,
+        self.out = nnx.LinearGeneral((heads, head_dim), d_model, axis=(-2, -1), use_bias=False, rngs=rngs, dtype=dtype,
                                      kernel_init=nnx.with_partitioning(_init, ("heads", "kv", "embed")))
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -37,12 +37,12 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs):
-        self.norm1 = layer_norm(d_model, "embed", rngs)
-        self.attn = Attention(d_model, heads, dropout, rngs)
-        self.norm2 = layer_norm(d_model, "embed", rngs)
-        self.up = dense(d_model, d_ff, ("embed", "mlp"), rngs)
-        self.down = dense(d_ff, d_model, ("mlp", "embed"), rngs)
+    def __init__(self, d_model: int, heads: int, d_ff: int, dropout: float, rngs: nnx.Rngs, dtype=None):
+        self.norm1 = layer_norm(d_model, "embed", rngs, dtype)
+        self.attn = Attention(d_model, heads, dropout, rngs, dtype)
+        self.norm2 = layer_norm(d_model, "embed", rngs, dtype)
+        self.up = dense(d_model, d_ff, ("embed", "mlp"), rngs, dtype=dtype)
+        self.down = dense(d_ff, d_model, ("mlp", "embed"), rngs, dtype=dtype)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
@@ -52,17 +52,17 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, vocab: int = 256, seq_len: int = 128, layers: int = 2, d_model: int = 128, heads: int = 4,
-                 d_ff: int = 512, dropout: float = 0.1, *, rngs: nnx.Rngs):
+                 d_ff: int = 512, dropout: float = 0.1, dtype=None, *, rngs: nnx.Rngs):
         if d_model % heads:
             raise ValueError(f"d_model {d_model} must divide by heads {heads}")
-        self.token_embed = nnx.Embed(vocab, d_model, rngs=rngs,
+        self.token_embed = nnx.Embed(vocab, d_model, rngs=rngs, dtype=dtype,
                                      embedding_init=nnx.with_partitioning(_init, ("vocab", "embed")))
-        self.pos_embed = nnx.Embed(seq_len, d_model, rngs=rngs,
+        self.pos_embed = nnx.Embed(seq_len, d_model, rngs=rngs, dtype=dtype,
                                    embedding_init=nnx.with_partitioning(_init, (None, "embed")))
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs) for _ in range(layers)])
-        self.norm = layer_norm(d_model, "embed", rngs)
-        self.head = dense(d_model, vocab, ("embed", "vocab"), rngs, use_bias=False)
+        self.blocks = nnx.List([Block(d_model, heads, d_ff, dropout, rngs, dtype) for _ in range(layers)])
+        self.norm = layer_norm(d_model, "embed", rngs, dtype)
+        self.head = dense(d_model, vocab, ("embed", "vocab"), rngs, use_bias=False, dtype=dtype)
 
     def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
         positions = jnp.arange(tokens_BxL.shape[1])

@@ -22,7 +22,7 @@ def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
     done = cli("--mesh", "2x4", "--steps", "4", "--log-every", "2", "--metrics", str(metrics))
     assert done.returncode == 0, done.stderr
     assert "on mesh data=2 x model=4 (8 cpu devices)" in done.stdout
-    assert "step 4/4" in done.stdout and "held-out:" in done.stdout
+    assert "step 4/4" in done.stdout and "held-out at step 4:" in done.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 4, 4]
     assert all({"loss", "samples_per_sec", "accuracy"} <= set(r) for r in records[:3])
@@ -45,6 +45,19 @@ def test_cli_strategy_run_logs_simulated_time_and_staleness(tmp_path, capsys):
     assert [r["sim_time"] for r in records] == [1.0, 3.0, 4.0, 6.0, 7.0, 9.0]
     assert max(r["staleness_max"] for r in records) == 1.0
     assert "strategy ssp" in capsys.readouterr().out
+
+
+def test_cli_eval_every_logs_held_out_metrics_and_large_batch_flags_take_effect(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    assert run.main(["--mesh", "4x2", "--model", "cnn", "--steps", "6", "--eval-every", "3", "--log-every", "1",
+                     "--batch-ramp", "32:0,64:3", "--lr-scaling", "linear", "--warmup-steps", "2", "--bn", "local",
+                     "--label-smoothing", "0.1", "--grad-accum", "2", "--metrics", str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    steps = {r["step"]: r for r in records if "lr" in r}
+    assert steps[1]["lr"] == pytest.approx(3e-3 * 0.5) and steps[2]["lr"] == pytest.approx(3e-3)
+    assert steps[4]["batch_size"] == 64 and steps[4]["lr"] == pytest.approx(6e-3)
 
 
 def test_config_preset_with_flag_override(tmp_path, capsys):
@@ -84,6 +97,25 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--mesh", "4x2", "--strategy", "asp", "--stragglers", "4:2.0"], "--stragglers: replica 4 does not exist"),
     (["--strategy", "asp", "--stragglers", "3:0"], "--stragglers '3:0'"),
     (["--strategy", "asp", "--stragglers", "3:x"], "--stragglers '3:x'"),
+    (["--eval-every", "-1"], "--eval-every -1: must be an integer >= 0"),
+    (["--warmup-steps", "2.5"], "argument --warmup-steps: invalid int value: '2.5'"),
+    (["--grad-accum", "0"], "--grad-accum 0: must be an integer >= 1"),
+    (["--base-batch-size", "0"], "--base-batch-size 0: must be an integer >= 1"),
+    (["--lr-scaling", "cubic"], "--lr-scaling 'cubic': choose one of none, linear, sqrt"),
+    (["--lr-schedule", "poly"], "--lr-schedule 'poly': choose one of constant, cosine, step"),
+    (["--lr-schedule", "step", "--lr-decay-steps", "20,10"], "--lr-decay-steps '20,10': must be increasing"),
+    (["--lr-decay-steps", "10"], "--lr-decay-steps applies only to --lr-schedule step"),
+    (["--lr-decay-factor", "0"], "--lr-decay-factor 0.0: must be in (0, 1]"),
+    (["--dtype", "float16"], "--dtype 'float16': choose one of float32, bfloat16"),
+    (["--label-smoothing", "1.0"], "--label-smoothing 1.0: must be in [0, 1)"),
+    (["--label-smoothing", "-0.1"], "--label-smoothing -0.1: must be in [0, 1)"),
+    (["--bn", "local"], "--bn local: the transformer model has no BatchNorm; --bn applies to --model cnn"),
+    (["--model", "cnn", "--bn", "global"], "--bn 'global': choose one of sync, local"),
+    (["--model", "cnn", "--bn", "sync", "--allreduce", "ring"], "--bn sync needs --strategy sync without --allreduce"),
+    (["--batch-ramp", "32:0,16:10"], "--batch-ramp '32:0,16:10': steps and sizes must both increase"),
+    (["--mesh", "8", "--model", "mlp", "--batch-ramp", "32:0,36:10"], "--batch-ramp '32:0,36:10': size 36 does not "
+                                                                      "divide by the data-axis size 8"),
+    (["--mesh", "2x4", "--grad-accum", "3"], "--grad-accum 3 does not divide the per-replica batch 16"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):
     with pytest.raises(SystemExit) if "invalid int" in message else _no_raise() as raised:

@@ -36,6 +36,7 @@ class StepContext(NamedTuple):
     param_shardings: Any  # NamedShardings of the params pytree
     model_state_shardings: Any  # NamedShardings of the non-parameter model state
     opt_shardings: Any  # NamedShardings of the optimizer state
+    grad_accum: int = 1  # microbatches per update (gradient accumulation)
 
     @property
     def num_replicas(self) -> int:

@@ -97,7 +97,7 @@ class LocalSGD:
 
     def _replica_update(self, ctx, replica, batch, average_grads: bool):
         loss, metrics, model_state, grads = loss_and_grad(
-            ctx.graphdef, ctx.loss_fn, replica["params"], replica["model_state"], batch)
+            ctx.graphdef, ctx.loss_fn, replica["params"], replica["model_state"], batch, ctx.grad_accum)
         if average_grads:
             grads = allreduce_mean(grads, "data", self.allreduce, torus_x=self.torus_x)
         params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)

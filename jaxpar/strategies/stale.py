@@ -111,7 +111,8 @@ class SSP:
             count = allreduce_mean(weight, "data", "psum") * replicas
             read = jax.tree.map(lambda buf: buf[(version - staleness[0]) % buffer], versions)
             own_state = rep.fold_rng_keys(model_state, rep.replica_index())
-            loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, read, own_state, batch)
+            loss, metrics, new_state, grads = loss_and_grad(
+                ctx.graphdef, ctx.loss_fn, read, own_state, batch, ctx.grad_accum)
             grads = weighted_mean(grads, weight, count)
             new_state = rep.unfold_rng_keys(new_state, model_state)
             floats = {k: v for k, v in enumerate(jax.tree.leaves(new_state)) if jnp.issubdtype(v.dtype, jnp.floating)}

@@ -79,7 +79,7 @@ class Sync:
     def _compiler_step(self, ctx):
         def step(state: TrainState, batch, inputs):
             loss, metrics, model_state, grads = loss_and_grad(
-                ctx.graphdef, ctx.loss_fn, state.params, state.model_state, batch)
+                ctx.graphdef, ctx.loss_fn, state.params, state.model_state, batch, ctx.grad_accum)
             params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
             return state._replace(step=state.step + 1, params=params, model_state=model_state,
                                   opt_state=opt_state), {"loss": loss, **metrics}
@@ -91,7 +91,8 @@ class Sync:
 
         def replica_grads(params, model_state, batch):
             own_state = rep.fold_rng_keys(model_state, rep.replica_index())
-            loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, params, own_state, batch)
+            loss, metrics, new_state, grads = loss_and_grad(
+                ctx.graphdef, ctx.loss_fn, params, own_state, batch, ctx.grad_accum)
             grads = allreduce_mean(grads, "data", algorithm, torus_x=torus_x)
             new_state = rep.mean_float_state(rep.unfold_rng_keys(new_state, model_state), algorithm, torus_x)
             metrics = allreduce_mean({"loss": loss, **metrics}, "data", "psum")

@@ -1,0 +1,83 @@
+"""Learning rate and batch size over training: the large-batch toolkit (Goyal et al. 2017; Smith et al. 2018).
+
+    lr(step) = lr x scale(batch(step)) x warmup(step) x decay(step)
+
+- scale: `none` = 1, `linear` = batch / base_batch, `sqrt` = sqrt(batch / base_batch);
+- warmup: linear from lr/W to lr over the first W steps;
+- decay: `constant`, `cosine` (from warmup's end down to 0 at step total_steps) or `step` (x factor at each boundary);
+- batch(step): the global batch size, constant or a ramp `"256:0,512:1000"` (size from step), whose sizes each
+  compile once, and the lr follows the scaling rule as the batch grows.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.errors import ConfigError
+
+LR_SCALINGS = ("none", "linear", "sqrt")
+LR_SCHEDULES = ("constant", "cosine", "step")
+
+
+def parse_batch_ramp(spec: str, data_size: int | None = None) -> list[tuple[int, int]]:
+    """"256:0,512:1000" -> [(0, 256), (1000, 512)] as (from_step, size), checked."""
+    stages = []
+    for item in spec.split(","):
+        size, _, start = item.strip().partition(":")
+        if not (size.isdigit() and start.isdigit()):
+            raise ConfigError(f"--batch-ramp {spec!r}: {item!r} is not SIZE:FROM_STEP; e.g. '256:0,512:1000'")
+        stages.append((int(start), int(size)))
+    if stages[0][0] != 0:
+        raise ConfigError(f"--batch-ramp {spec!r}: the first stage must start at step 0, e.g. '{stages[0][1]}:0,...'")
+    for (start_a, size_a), (start_b, size_b) in zip(stages, stages[1:]):
+        if not (start_b > start_a and size_b > size_a):
+            raise ConfigError(f"--batch-ramp {spec!r}: steps and sizes must both increase ({size_a}:{start_a} is "
+                              f"followed by {size_b}:{start_b})")
+    for start, size in stages:
+        if size < 1 or (data_size and size % data_size):
+            raise ConfigError(f"--batch-ramp {spec!r}: size {size} does not divide by the data-axis size "
+                              f"{data_size}; use multiples of {data_size}")
+    return stages
+
+
+def batch_size_fn(batch_size: int, ramp: list[tuple[int, int]] | None):
+    if not ramp:
+        return lambda step: batch_size
+    starts = [start for start, _ in ramp]
+    return lambda step: ramp[bisect.bisect_right(starts, step) - 1][1]
+
+
+def lr_schedule(lr: float, total_steps: int, *, scaling: str = "none", base_batch_size: int | None = None,
+                batch_at=lambda step: 1, warmup_steps: int = 0, schedule: str = "constant",
+                decay_steps: tuple[int, ...] | None = None, decay_factor: float = 0.1):
+    """An optax-style schedule `step -> lr` (works on traced and host ints alike)."""
+    base = base_batch_size or batch_at(0)
+    boundaries = tuple(decay_steps) if decay_steps else (total_steps // 2, total_steps * 3 // 4)
+    # the batch-size factor is piecewise constant in the step: precompute it per step on the host
+    scales = np.array([_scale(scaling, batch_at(t), base) for t in range(max(total_steps, 1))], np.float32)
+
+    def at(step):
+        step = jnp.asarray(step)
+        value = lr * jnp.asarray(scales)[jnp.minimum(step, len(scales) - 1)]
+        if warmup_steps:
+            value = value * jnp.minimum(1.0, (step + 1) / warmup_steps)
+        if schedule == "cosine":
+            progress = jnp.clip((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
+            value = value * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+        elif schedule == "step":
+            value = value * decay_factor ** jnp.sum(step >= jnp.asarray(boundaries))
+        return value
+
+    return at
+
+
+def _scale(scaling: str, batch: int, base: int) -> float:
+    if scaling == "linear":
+        return batch / base
+    if scaling == "sqrt":
+        return math.sqrt(batch / base)
+    return 1.0

@@ -1,0 +1,93 @@
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar import data
+
+
+def source(n=10):
+    return data.ArraySource({"x": np.arange(n), "y": np.arange(n) * 10})
+
+
+def take(batches, count):
+    return [next(batches)["x"].tolist() for _ in range(count)]
+
+
+def test_every_epoch_is_a_fresh_permutation_and_batches_may_straddle_epochs():
+    batches = data.Batches(source(10), 4, seed=0)
+    drawn = sum(take(batches, 5), [])  # 20 indices = exactly two epochs
+    assert sorted(drawn[:10]) == list(range(10)) and sorted(drawn[10:]) == list(range(10))
+    assert drawn[:10] != drawn[10:]
+
+
+def test_order_is_a_pure_function_of_the_seed():
+    assert take(data.Batches(source(), 4, seed=1), 3) == take(data.Batches(source(), 4, seed=1), 3)
+    assert take(data.Batches(source(), 4, seed=1), 3) != take(data.Batches(source(), 4, seed=2), 3)
+    assert take(data.Batches(source(), 4, seed=1, shuffle=False), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_iterator_state_restores_exactly():
+    batches = data.Batches(source(10), 3, seed=0)
+    take(batches, 3)
+    state = batches.get_state()
+    assert state == {"position": 9, "step": 3}
+    expected = take(batches, 4)
+    fresh = data.Batches(source(10), 3, seed=0)
+    fresh.set_state(state)
+    assert take(fresh, 4) == expected
+
+
+def test_device_prefetch_reports_the_state_of_the_next_unconsumed_batch():
+    placed = []
+    prefetched = data.prefetch_to_device(data.Batches(source(10), 2, seed=0), lambda b: placed.append(1) or b, size=2)
+    first = next(prefetched)["x"].tolist()
+    assert len(placed) == 2  # one more batch is already on its way
+    assert prefetched.get_state() == {"position": 2, "step": 1}
+    state = prefetched.get_state()
+    second = next(prefetched)["x"].tolist()
+    prefetched.set_state(state)
+    assert next(prefetched)["x"].tolist() == second != first
+
+
+def test_batch_size_ramp_draws_the_planned_sizes():
+    batches = data.Batches(source(100), lambda step: 4 if step < 2 else 8, seed=0, largest_batch=8)
+    assert [len(next(batches)["x"]) for _ in range(4)] == [4, 4, 8, 8]
+    assert batches.get_state() == {"position": 24, "step": 4}
+
+
+def test_text_windows_are_consecutive_bytes():
+    tokens = np.arange(50, dtype=np.uint8)
+    windows = data.TextWindows(tokens, seq_len=8)
+    assert len(windows) == 6
+    np.testing.assert_array_equal(windows[np.array([2])]["tokens"][0], np.arange(16, 25))
+    assert windows[np.array([0, 5])]["tokens"].dtype == np.int32
+
+
+def test_default_corpus_is_real_local_text_and_deterministic():
+    tokens = data.load_text(max_bytes=1 << 16)
+    assert len(tokens) == 1 << 16
+    np.testing.assert_array_equal(tokens, data.load_text(max_bytes=1 << 16))
+    assert b"def " in tokens.tobytes() or b"import" in tokens.tobytes()
+
+
+def test_synthetic_source_for_benchmarks():
+    images = data.SyntheticSource("image", size=64)
+    assert images[np.arange(4)]["image"].shape == (4, 8, 8, 1)
+    assert data.SyntheticSource("tokens", size=16, seq_len=32)[np.arange(2)]["tokens"].shape == (2, 33)
+
+
+def test_process_rows_single_process_is_the_whole_batch():
+    assert data.process_rows(64) == (0, 64)
+
+
+def test_data_errors(tmp_path):
+    with pytest.raises(jaxpar.DataError, match=r"dataset has 10 examples, fewer than one global batch of 16"):
+        data.Batches(source(10), 16, seed=0)
+    with pytest.raises(jaxpar.DataError, match=r"no such file or folder"):
+        data.load_text(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(jaxpar.DataError, match=r"contains no text \(0 bytes\)"):
+        data.load_text(str(tmp_path / "empty.txt"))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(jaxpar.DataError, match=r"the folder contains no files"):
+        data.load_text(str(tmp_path / "folder"))
