@@ -68,8 +68,8 @@ def main():
     parser.add_argument("--batches", default="32,64,128,256,512,1024", help="global batch sizes, comma-separated")
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
     parser.add_argument("--mesh", default="8", help="device mesh (default 8: data parallel only)")
-    parser.add_argument("--lr", type=float, default=0.05,
-                        help="SGD (momentum 0.9) learning rate at --base-batch-size (default 0.05, tuned at batch 32)")
+    parser.add_argument("--lr", type=float, default=0.2,
+                        help="SGD (momentum 0.9) learning rate at --base-batch-size (default 0.2, tuned at batch 32)")
     parser.add_argument("--base-batch-size", type=int, default=32, help="batch size --lr was tuned for (default 32)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine", "step"],

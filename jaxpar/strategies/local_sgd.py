@@ -99,7 +99,7 @@ class LocalSGD:
         loss, metrics, model_state, grads = loss_and_grad(
             ctx.graphdef, ctx.loss_fn, replica["params"], replica["model_state"], batch, ctx.grad_accum)
         if average_grads:
-            grads = allreduce_mean(grads, "data", self.allreduce, torus_x=self.torus_x)
+            grads = rep.average_params_like(ctx, grads, self.allreduce, self.torus_x)
         params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)
         return {"params": params, "opt_state": opt_state, "model_state": model_state}, {"loss": loss, **metrics}
 
@@ -137,7 +137,7 @@ class LocalSGD:
     def _meet_step(self, ctx):
         def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch):
             replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=False)
-            mean_params = allreduce_mean(replica["params"], "data", self.allreduce, torus_x=self.torus_x)
+            mean_params = rep.average_params_like(ctx, replica["params"], self.allreduce, self.torus_x)
             distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
             divergence = distance / jnp.sqrt(rep.tree_sq_norm(mean_params))
             params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params)

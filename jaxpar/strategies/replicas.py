@@ -27,6 +27,22 @@ def per_replica(ctx, fn, in_specs, out_specs):
                          check_vma=False)
 
 
+def average_params_like(ctx, tree, algorithm: str, torus_x=None):
+    """Mean over `data` of a params-shaped tree (gradients, parameters), on each device's own `model` shard.
+
+    The hand-written algorithms fuse leaves into one flat buffer; done on the global (model-sharded) arrays, that
+    flattening would first all-gather every tensor-parallel leaf over `model`. A nested shard_map manual over `model`
+    makes each device fuse and send only its shard: the bytes over `data` shrink by the model-axis size.
+    """
+    if algorithm == "psum" or ctx.mesh.shape["model"] == 1:
+        return allreduce_mean(tree, "data", algorithm, torus_x=torus_x)
+    specs = jax.tree.map(lambda s: P(*[axis if axis == "model" else None for axis in s.spec]), ctx.param_shardings,
+                         is_leaf=lambda x: isinstance(x, NamedSharding))
+    # no `mesh=`: inside the outer shard_map the context mesh (data already manual) is the one to use
+    return jax.shard_map(lambda t: allreduce_mean(t, "data", algorithm, torus_x=torus_x), in_specs=(specs,),
+                         out_specs=specs, axis_names={"model"}, check_vma=False)(tree)
+
+
 def replica_index():
     return lax.axis_index("data")
 

@@ -102,8 +102,10 @@ class SSP:
         buffer, algorithm, torus_x = self.buffer_size(ctx.num_replicas), self.allreduce, self.torus_x
         replicas = ctx.num_replicas
 
-        def weighted_mean(tree, weight, count):  # mean over the participating replicas only
-            summed = allreduce_mean(jax.tree.map(lambda x: x * weight, tree), "data", algorithm, torus_x=torus_x)
+        def weighted_mean(tree, weight, count, params_like=False):  # mean over the participating replicas only
+            weighted = jax.tree.map(lambda x: x * weight, tree)
+            summed = (rep.average_params_like(ctx, weighted, algorithm, torus_x) if params_like
+                      else allreduce_mean(weighted, "data", algorithm, torus_x=torus_x))
             return jax.tree.map(lambda x: x * (replicas / count), summed)
 
         def own(versions, version, model_state, batch, participation, staleness):
@@ -113,7 +115,7 @@ class SSP:
             own_state = rep.fold_rng_keys(model_state, rep.replica_index())
             loss, metrics, new_state, grads = loss_and_grad(
                 ctx.graphdef, ctx.loss_fn, read, own_state, batch, ctx.grad_accum)
-            grads = weighted_mean(grads, weight, count)
+            grads = weighted_mean(grads, weight, count, params_like=True)
             new_state = rep.unfold_rng_keys(new_state, model_state)
             floats = {k: v for k, v in enumerate(jax.tree.leaves(new_state)) if jnp.issubdtype(v.dtype, jnp.floating)}
             averaged = weighted_mean(floats, weight, count) if floats else {}

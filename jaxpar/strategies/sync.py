@@ -93,7 +93,7 @@ class Sync:
             own_state = rep.fold_rng_keys(model_state, rep.replica_index())
             loss, metrics, new_state, grads = loss_and_grad(
                 ctx.graphdef, ctx.loss_fn, params, own_state, batch, ctx.grad_accum)
-            grads = allreduce_mean(grads, "data", algorithm, torus_x=torus_x)
+            grads = rep.average_params_like(ctx, grads, algorithm, torus_x)
             new_state = rep.mean_float_state(rep.unfold_rng_keys(new_state, model_state), algorithm, torus_x)
             metrics = allreduce_mean({"loss": loss, **metrics}, "data", "psum")
             return grads, new_state, metrics
