@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxpar import sharding as shd
-from jaxpar.errors import JaxparError
+from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.step import LossFn, TrainState, evaluate_batch, split_model
 from jaxpar.strategies import StepContext, Strategy, Sync
 
@@ -39,6 +39,8 @@ class Trainer:
         self.mesh, self.rules, self.strategy = mesh, dict(rules), strategy or Sync()
         self._factory, self._loss_fn, self._tx, self.grad_accum = model, loss_fn, optimizer, grad_accum
         self._eval_loss_fn = eval_loss_fn or loss_fn  # e.g. the loss without label smoothing
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ConfigError(f"--grad-accum {grad_accum!r}: must be an integer >= 1")
         shd.validate_rules(self.rules, mesh)
 
         with nnx.use_eager_sharding(False):
