@@ -15,6 +15,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.sharding import DEFAULT_RULES
 
 MODELS = ("transformer", "mlp", "cnn")
+OPTIMIZERS = ("adamw", "sgd", "momentum")
 STRATEGIES = ("sync", "local_sgd", "diloco", "ssp", "asp")
 # Which strategies each strategy-specific field applies to (a flag given for another strategy is an error).
 APPLIES_TO = {
@@ -31,8 +32,9 @@ class Config:
     mesh: str = "2x4"  # device mesh: "8", "2x4" (data x model) or "data=2,model=4"
     steps: int = 300  # number of optimizer updates
     batch_size: int = 32  # global batch size, split evenly over the data axis
-    lr: float = 3e-3  # peak learning rate of AdamW
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    lr: float = 3e-3  # peak learning rate
+    optimizer: str = "adamw"  # adamw | sgd | momentum (SGD with momentum 0.9, as in Goyal et al.)
+    weight_decay: float = 0.0  # decoupled weight decay (adamw) or L2 added to the gradient (sgd / momentum)
     seed: int = 0  # initialisation, data order and dropout; same seed -> same run on every mesh
     data: str | None = None  # text file or folder for the transformer; None = the default corpus
     metrics: str | None = None  # JSONL file: one object per logged step
@@ -87,6 +89,8 @@ class Config:
                                  ("--eval-batches", self.eval_batches, 0), ("--seed", self.seed, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:
             raise ConfigError(f"--lr {self.lr!r}: must be > 0, e.g. --lr 1e-3")
         if self.weight_decay < 0:

@@ -16,7 +16,11 @@ import optax
 import models
 from jaxpar import data
 from jaxpar.config import Config
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, JaxparError
+
+
+class TrainingDiverged(JaxparError):
+    """The loss became NaN or infinite: reported as one line, like a bad flag."""
 from jaxpar.mesh import make_mesh, parse_mesh_spec
 from jaxpar.metrics import RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
@@ -42,6 +46,13 @@ def batch_sizes(config: Config, data_size: int) -> list[int]:
     return sizes
 
 
+def make_optimizer(config: Config, schedule) -> optax.GradientTransformation:
+    if config.optimizer == "adamw":
+        return optax.adamw(schedule, weight_decay=config.weight_decay)
+    momentum = 0.9 if config.optimizer == "momentum" else None
+    return optax.chain(optax.add_decayed_weights(config.weight_decay), optax.sgd(schedule, momentum=momentum))
+
+
 def datasets(config: Config, size_at, largest: int):
     """(train batches, held-out source or None) for the config's model."""
     if config.model == "transformer":
@@ -60,7 +71,7 @@ def datasets(config: Config, size_at, largest: int):
         train = data.Batches(data.ArraySource(train_split), size_at, config.seed, "digits training split",
                              largest_batch=largest)
         held_out = data.ArraySource(test_split)
-    return train, held_out if len(held_out) >= largest else None
+    return train, held_out
 
 
 def train(config: Config) -> dict:
@@ -85,7 +96,7 @@ def train(config: Config) -> dict:
     bn_groups = data_size if local_bn and not explicit else 1  # under shard_map the slice is already local
     trainer = Trainer(model=models.factory(config, bn_groups=bn_groups),
                       loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
-                      optimizer=optax.adamw(schedule, weight_decay=config.weight_decay), mesh=mesh,
+                      optimizer=make_optimizer(config, schedule), mesh=mesh,
                       rules=config.rules, strategy=strategy_from_config(config), grad_accum=config.grad_accum)
     state = trainer.init(config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -98,6 +109,9 @@ def train(config: Config) -> dict:
     last = {}
 
     def on_step(step, metrics):
+        if not math.isfinite(metrics["loss"]):
+            raise TrainingDiverged(f"training diverged: loss is {metrics['loss']} at step {step}; lower --lr, add "
+                                   f"--warmup-steps or use a smaller --batch-size")
         metrics = {**metrics, "lr": float(schedule(step - 1)), "batch_size": float(size_at(step - 1))}
         last.update(metrics)
         logger.on_step(step, metrics)
@@ -109,7 +123,7 @@ def train(config: Config) -> dict:
             chunk = min(config.eval_every or config.steps, config.steps - done)
             state = trainer.fit(state, batches, chunk, on_step)
             done += chunk
-            if held_out is not None and (config.eval_every or done == config.steps):
+            if config.eval_batches and (config.eval_every or done == config.steps):
                 held = evaluate(trainer, state, held_out, largest, config)
                 logger.write({"step": done, **{"eval_" + k: v for k, v in held.items()}})
                 print(f"held-out at step {done}: " + "  ".join(f"{k} {v:.4g}" for k, v in held.items()), flush=True)
@@ -123,7 +137,14 @@ def train(config: Config) -> dict:
 
 
 def evaluate(trainer: Trainer, state, source, batch_size: int, config: Config) -> dict[str, float]:
-    """Mean eval-mode metrics over the first `config.eval_batches` batches of the held-out split (fixed order)."""
+    """Mean eval-mode metrics over the first `config.eval_batches` batches of the held-out split (fixed order).
+
+    A held-out split smaller than `eval_batches` training batches is evaluated whole, in as few batches as
+    possible (each a multiple of the data-axis size): digits' 300 test images at batch 32 -> 1 batch of 296.
+    """
+    data_size = trainer.data_size
+    if len(source) < config.eval_batches * batch_size:
+        batch_size = len(source) // data_size * data_size
     count = min(config.eval_batches, len(source) // batch_size)
     batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False)
     totals: dict[str, float] = {}

@@ -60,6 +60,12 @@ def test_cli_eval_every_logs_held_out_metrics_and_large_batch_flags_take_effect(
     assert steps[4]["batch_size"] == 64 and steps[4]["lr"] == pytest.approx(6e-3)
 
 
+def test_large_digits_batch_still_evaluates_the_whole_test_split(capsys):
+    assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "2", "--batch-size", "512", "--optimizer",
+                     "momentum", "--lr", "0.05"]) == 0
+    assert "held-out at step 2: accuracy" in capsys.readouterr().out
+
+
 def test_config_preset_with_flag_override(tmp_path, capsys):
     assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
@@ -98,6 +104,9 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--strategy", "asp", "--stragglers", "3:0"], "--stragglers '3:0'"),
     (["--strategy", "asp", "--stragglers", "3:x"], "--stragglers '3:x'"),
     (["--eval-every", "-1"], "--eval-every -1: must be an integer >= 0"),
+    (["--optimizer", "rmsprop"], "--optimizer 'rmsprop': choose one of adamw, sgd, momentum"),
+    (["--model", "mlp", "--mesh", "8", "--steps", "5", "--optimizer", "sgd", "--lr", "1e30"],
+     "training diverged: loss is nan at step 2; lower --lr"),
     (["--warmup-steps", "2.5"], "argument --warmup-steps: invalid int value: '2.5'"),
     (["--grad-accum", "0"], "--grad-accum 0: must be an integer >= 1"),
     (["--base-batch-size", "0"], "--base-batch-size 0: must be an integer >= 1"),
