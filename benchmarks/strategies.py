@@ -30,10 +30,11 @@ every H steps instead of an all-reduce every step), which this clock does not ch
 the training loss is the mean of the replicas' own losses, while `trainer.evaluate` uses the anchor (the
 parameters of the last meeting), so the default step counts are multiples of 16 to end on a meeting.
 
-Mesh: "4x2" is the default (8-16 examples per replica; `--mesh 8` runs too, e.g. for the transformer it measured
-92.6 s instead of 110 s in total, but local SGD then averages replicas that saw only 4 sequences each, and the
-strategies' ranking was the same). On 4x2 every step also carries the tensor-parallel all-reduces over `model`,
-so a local SGD step, which has no gradient all-reduce over `data`, is not cheaper in wall time here.
+Mesh: "4x2" is the default (16 digits / 8 sequences per replica). `--mesh 8` was measured too and is not better:
+the same total time (77.1 s vs 76.4 s), sync the same result to every printed digit (it is mesh-invariant), and
+local SGD worse (its replicas average models that each saw only 8 digits / 4 sequences per step). On 4x2 every
+step also carries the tensor-parallel all-reduces over `model`, so a local SGD step, which has no gradient
+all-reduce over `data`, is not cheaper in wall time here.
 
 All wall times are from 8 CPU devices emulated on 2 shared cores; the simulated clock is the number to compare.
 """
@@ -209,6 +210,9 @@ def print_table(task, steps, target, rows, mesh):
         value = r["test_accuracy"] if task == "mlp" else r["val_loss"]
         print(f"{r['strategy']:16s}{to_target}{'|':>2s}{'':7s}{r['final_smoothed_loss']:7.3f}{r['final_sim_time']:8.1f}"
               f"{r['wall_seconds']:8.2f}{value:10.4f}")
+    print(f"to target: the first step whose {SMOOTH}-step mean training loss is <= {target:.3f}, the simulated clock "
+          f"and training wall seconds then; final: {SMOOTH}-step mean loss, simulated clock and wall seconds after "
+          f"{steps} steps, {metric} held out (local SGD / DiLoCo: of the anchor)")
 
 
 if __name__ == "__main__":

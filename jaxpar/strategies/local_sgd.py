@@ -111,7 +111,7 @@ class LocalSGD:
         sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SHARDED), out_specs=(SHARDED, SHARDED))
 
         def step(state, batch, inputs):
-            replica, metrics = sharded(state.strategy_state, batch)  # no collective: replicas never talk
+            replica, metrics = sharded(state.strategy_state, batch)  # no collective on parameters (only metric means)
             return state._replace(step=state.step + 1, strategy_state=replica), _mean_over_replicas(metrics)
 
         return step
