@@ -1,4 +1,4 @@
-"""Command line: flags -> jaxpar.Config -> jaxpar.train(config).   python run.py --mesh 2x4 --help"""
+"""Command line: flags -> jaxpar.Config -> jaxpar.experiment.train(config).   python run.py --mesh 2x4 --help"""
 
 import argparse
 import sys

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field
 
 from jaxpar.errors import ConfigError
@@ -80,6 +81,7 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> "Config":
+        self._validate_types()
         if self.model not in MODELS:
             raise ConfigError(f"--model {self.model!r} is not a model; choose one of {', '.join(MODELS)}")
         for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
@@ -108,8 +110,35 @@ class Config:
             parent = os.path.dirname(os.path.abspath(self.metrics))
             if not os.path.isdir(parent):
                 raise ConfigError(f"--metrics {self.metrics!r}: folder {parent!r} does not exist")
+            if os.path.isdir(self.metrics) or not os.access(parent, os.W_OK):
+                raise ConfigError(f"--metrics {self.metrics!r}: not a writable file path; pass e.g. run.jsonl")
         return self
 
+
+    def _validate_types(self) -> None:
+        """Config files can hold anything: wrong types fail here, in one line, not deep inside JAX."""
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), f.type
+            flag = "--" + f.name.replace("_", "-")
+            if value is None and "None" in kind:
+                continue
+            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{flag} {value!r}: must be an integer")
+            if kind.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{flag} {value!r}: must be a number")
+            if kind.startswith("str") and not isinstance(value, str):
+                raise ConfigError(f"{flag} {value!r}: must be a string")
+        if not isinstance(self.rules, dict) or not all(
+                isinstance(k, str) and (v is None or isinstance(v, str) or
+                                        (isinstance(v, tuple) and all(isinstance(a, str) for a in v)))
+                for k, v in self.rules.items()):
+            raise ConfigError(f"rules {self.rules!r}: must map logical axis names to a mesh axis name, a tuple of "
+                              f"them, or None")
+        if not (isinstance(self.channels, (tuple, list)) and len(self.channels) == 2 and
+                all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in self.channels)):
+            raise ConfigError(f"channels {self.channels!r}: must be two positive integers, e.g. (16, 32)")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ConfigError(f"--seed {self.seed}: must be in [0, 2**32)")
 
     def _validate_strategy(self) -> None:
         from jaxpar.collectives import ALLREDUCE_ALGORITHMS
@@ -169,7 +198,7 @@ class Config:
         if self.lr_decay_steps is None:
             return None
         parts = [p.strip() for p in str(self.lr_decay_steps).split(",")]
-        if not all(p.isdigit() for p in parts) or [int(p) for p in parts] != sorted({int(p) for p in parts}):
+        if not all(re.fullmatch(r"[0-9]+", p) for p in parts) or [int(p) for p in parts] != sorted({int(p) for p in parts}):
             raise ConfigError(f"--lr-decay-steps {self.lr_decay_steps!r}: must be increasing step numbers, "
                               f"e.g. 1000,2000")
         return tuple(int(p) for p in parts)
@@ -187,11 +216,13 @@ def load_config_file(path: str) -> Config:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
+        if not callable(getattr(module, "get_config", None)):
+            raise ConfigError(f"--config {path!r}: defines no get_config() returning jaxpar.Config")
+        config = module.get_config()
+    except ConfigError:
+        raise
     except Exception as error:  # a user's file: report it as a bad flag value, not a traceback
         raise ConfigError(f"--config {path!r}: could not be loaded ({type(error).__name__}: {error})") from error
-    if not callable(getattr(module, "get_config", None)):
-        raise ConfigError(f"--config {path!r}: defines no get_config() returning jaxpar.Config")
-    config = module.get_config()
     if not isinstance(config, Config):
         raise ConfigError(f"--config {path!r}: get_config() returned {type(config).__name__}, not jaxpar.Config")
     return config

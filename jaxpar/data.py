@@ -103,7 +103,8 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) ->
         if not files:
             raise DataError("no default corpus: the Python standard library has no .py files here; pass --data PATH")
     elif os.path.isdir(path):
-        files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+        files = sorted(f for f in (os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+                       if os.path.isfile(f))  # regular files only: no FIFOs, sockets or dangling links
         if not files:
             raise DataError(f"--data {path!r}: the folder contains no files; pass a text file or a folder of them")
     elif os.path.isfile(path):
@@ -112,8 +113,11 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) ->
         raise DataError(f"--data {path!r}: no such file or folder; pass a text file or a folder of text files")
     chunks, total = [], 0
     for name in files:
-        with open(name, "rb") as handle:
-            chunk = handle.read(max_bytes - total)
+        try:
+            with open(name, "rb") as handle:
+                chunk = handle.read(max_bytes - total)
+        except OSError as error:
+            raise DataError(f"--data {path!r}: cannot read {name!r} ({error.strerror})") from error
         chunks.append(chunk)
         total += len(chunk)
         if total >= max_bytes:
@@ -145,7 +149,7 @@ class Batches(Iterator):
         largest = largest_batch or self._size_at(0)
         if len(source) < largest:
             raise DataError(f"{name} has {len(source)} examples, fewer than one global batch of {largest}; "
-                            f"use --batch-size {len(source)} or less")
+                            f"use a global batch (--batch-size / --batch-ramp) of {len(source)} or less")
         order = grain.MapDataset.range(len(source))
         self._order = (order.shuffle(seed=seed) if shuffle else order).repeat(None)
         self.position, self.step = 0, 0
@@ -165,15 +169,17 @@ class Batches(Iterator):
         return self.source[indices]
 
 
-def array_batches(arrays: dict[str, np.ndarray], global_batch, seed: int, name: str = "dataset") -> Batches:
-    return Batches(ArraySource(arrays), global_batch, seed, name)
+def array_batches(arrays: dict[str, np.ndarray], global_batch, seed: int, name: str = "dataset",
+                  largest_batch: int | None = None) -> Batches:
+    return Batches(ArraySource(arrays), global_batch, seed, name, largest_batch=largest_batch)
 
 
-def text_batches(tokens: np.ndarray, global_batch, seq_len: int, seed: int, name: str = "text") -> Batches:
+def text_batches(tokens: np.ndarray, global_batch, seq_len: int, seed: int, name: str = "text",
+                 largest_batch: int | None = None) -> Batches:
     if len(tokens) < seq_len + 1:
         raise DataError(f"{name} has {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}; "
                         f"use --seq-len {max(len(tokens) - 1, 1)} or less, or more text")
-    return Batches(TextWindows(tokens, seq_len), global_batch, seed, name)
+    return Batches(TextWindows(tokens, seq_len), global_batch, seed, name, largest_batch=largest_batch)
 
 
 def process_rows(global_size: int) -> tuple[int, int]:

@@ -22,3 +22,7 @@ class ShardingError(JaxparError):
 
 class DataError(JaxparError):
     """A missing, empty or too small dataset."""
+
+
+class TrainingDiverged(JaxparError):
+    """The loss became NaN or infinite: reported as one line, like a bad flag."""

@@ -16,11 +16,7 @@ import optax
 import models
 from jaxpar import data
 from jaxpar.config import Config
-from jaxpar.errors import ConfigError, JaxparError
-
-
-class TrainingDiverged(JaxparError):
-    """The loss became NaN or infinite: reported as one line, like a bad flag."""
+from jaxpar.errors import ConfigError, DataError, TrainingDiverged
 from jaxpar.mesh import make_mesh, parse_mesh_spec
 from jaxpar.metrics import RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
@@ -57,19 +53,15 @@ def datasets(config: Config, size_at, largest: int):
     """(train batches, held-out source or None) for the config's model."""
     if config.model == "transformer":
         train_tokens, val_tokens = data.split_text(data.load_text(config.data))
-        if len(train_tokens) < config.seq_len + 1:
-            raise ConfigError(f"--data {config.data!r}: {len(train_tokens)} training bytes, fewer than one sequence "
-                              f"of {config.seq_len + 1}")
-        train = data.Batches(data.TextWindows(train_tokens, config.seq_len), size_at, config.seed, "training text",
-                             largest_batch=largest)
+        train = data.text_batches(train_tokens, size_at, config.seq_len, config.seed, "training text",
+                                  largest_batch=largest)
         held_out = data.TextWindows(val_tokens, config.seq_len)
     else:
         if config.data is not None:
             raise ConfigError(f"--data {config.data!r}: the {config.model} model trains on the built-in digits "
                               f"dataset; --data applies to --model transformer")
         train_split, test_split = data.load_digits()
-        train = data.Batches(data.ArraySource(train_split), size_at, config.seed, "digits training split",
-                             largest_batch=largest)
+        train = data.array_batches(train_split, size_at, config.seed, "digits training split", largest_batch=largest)
         held_out = data.ArraySource(test_split)
     return train, held_out
 
@@ -87,6 +79,9 @@ def train(config: Config) -> dict:
     mesh = make_mesh(config.mesh)
     data_size = mesh.shape["data"]
     batch_sizes(config, data_size)
+    if config.eval_batches and len(held_out) < data_size:
+        raise DataError(f"the held-out split has {len(held_out)} examples, fewer than the {data_size} data replicas; "
+                        f"use more data (--data) or --eval-batches 0")
 
     schedule = lr_schedule(config.lr, config.steps, scaling=config.lr_scaling, base_batch_size=config.base_batch_size,
                            batch_at=size_at, warmup_steps=config.warmup_steps, schedule=config.lr_schedule,
@@ -105,6 +100,7 @@ def train(config: Config) -> dict:
           f"{config.batch_ramp or config.batch_size} ({size_at(0) // data_size} per replica at first); strategy "
           f"{config.strategy}; BatchNorm {'local' if local_bn else 'sync'} if any; {config.steps} steps", flush=True)
 
+    host_lrs = np.asarray(schedule(np.arange(config.steps)))  # for logging, computed once
     logger = RunLogger(config.steps, size_at, config.log_every, config.metrics)
     last = {}
 
@@ -112,7 +108,7 @@ def train(config: Config) -> dict:
         if not math.isfinite(metrics["loss"]):
             raise TrainingDiverged(f"training diverged: loss is {metrics['loss']} at step {step}; lower --lr, add "
                                    f"--warmup-steps or use a smaller --batch-size")
-        metrics = {**metrics, "lr": float(schedule(step - 1)), "batch_size": float(size_at(step - 1))}
+        metrics = {**metrics, "lr": float(host_lrs[step - 1]), "batch_size": float(size_at(step - 1))}
         last.update(metrics)
         logger.on_step(step, metrics)
 
@@ -137,15 +133,17 @@ def train(config: Config) -> dict:
 
 
 def evaluate(trainer: Trainer, state, source, batch_size: int, config: Config) -> dict[str, float]:
-    """Mean eval-mode metrics over the first `config.eval_batches` batches of the held-out split (fixed order).
+    """Mean eval-mode metrics on the held-out split, in a fixed order.
 
-    A held-out split smaller than `eval_batches` training batches is evaluated whole, in as few batches as
-    possible (each a multiple of the data-axis size): digits' 300 test images at batch 32 -> 1 batch of 296.
+    Digits (an array source): the whole test split in one batch, cut to a multiple of the data-axis size (300 ->
+    296 on 8 replicas). Text: the first `config.eval_batches` training-sized batches of validation windows (fewer
+    if the split is smaller).
     """
     data_size = trainer.data_size
-    if len(source) < config.eval_batches * batch_size:
-        batch_size = len(source) // data_size * data_size
-    count = min(config.eval_batches, len(source) // batch_size)
+    if isinstance(source, data.ArraySource) or len(source) < batch_size:
+        batch_size, count = len(source) // data_size * data_size, 1
+    else:
+        count = min(config.eval_batches, len(source) // batch_size)
     batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False)
     totals: dict[str, float] = {}
     for _ in range(count):

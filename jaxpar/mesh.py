@@ -113,10 +113,3 @@ def make_mesh(spec: str | tuple[int, int] = "-1", devices=None) -> Mesh:
     grid = np.asarray(devices[: math.prod(shape)], dtype=object).reshape(shape)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
-
-def data_size(mesh: Mesh) -> int:
-    return mesh.shape["data"]
-
-
-def model_size(mesh: Mesh) -> int:
-    return mesh.shape["model"]

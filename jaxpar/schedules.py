@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,7 @@ def parse_batch_ramp(spec: str, data_size: int | None = None) -> list[tuple[int,
     stages = []
     for item in spec.split(","):
         size, _, start = item.strip().partition(":")
-        if not (size.isdigit() and start.isdigit()):
+        if not (re.fullmatch(r"[0-9]+", size) and re.fullmatch(r"[0-9]+", start)):
             raise ConfigError(f"--batch-ramp {spec!r}: {item!r} is not SIZE:FROM_STEP; e.g. '256:0,512:1000'")
         stages.append((int(start), int(size)))
     if stages[0][0] != 0:
@@ -56,7 +57,8 @@ def lr_schedule(lr: float, total_steps: int, *, scaling: str = "none", base_batc
                 decay_steps: tuple[int, ...] | None = None, decay_factor: float = 0.1):
     """An optax-style schedule `step -> lr` (works on traced and host ints alike)."""
     base = base_batch_size or batch_at(0)
-    boundaries = tuple(decay_steps) if decay_steps else (total_steps // 2, total_steps * 3 // 4)
+    boundaries = tuple(decay_steps) if decay_steps else tuple(sorted({max(total_steps // 2, 1),
+                                                                     max(total_steps * 3 // 4, 1)}))
     # the batch-size factor is piecewise constant in the step: precompute it per step on the host
     scales = np.array([_scale(scaling, batch_at(t), base) for t in range(max(total_steps, 1))], np.float32)
 
@@ -69,7 +71,7 @@ def lr_schedule(lr: float, total_steps: int, *, scaling: str = "none", base_batc
             progress = jnp.clip((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0, 1.0)
             value = value * 0.5 * (1 + jnp.cos(jnp.pi * progress))
         elif schedule == "step":
-            value = value * decay_factor ** jnp.sum(step >= jnp.asarray(boundaries))
+            value = value * decay_factor ** jnp.sum(step[..., None] >= jnp.asarray(boundaries), axis=-1)
         return value
 
     return at

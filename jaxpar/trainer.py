@@ -105,10 +105,6 @@ class Trainer:
         if size % self.data_size:
             raise JaxparError(f"global batch size {size} does not divide by the data-axis size {self.data_size}; "
                               f"use a multiple of {self.data_size} (--batch-size)")
-        if (size // self.data_size) % self.grad_accum:
-            raise JaxparError(f"--grad-accum {self.grad_accum} does not divide the per-replica batch "
-                              f"{size // self.data_size} (global {size} / data axis {self.data_size}); use a divisor "
-                              f"of {size // self.data_size}")
         return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding else self._place(v)
                 for k, v in batch.items()}
 
@@ -125,6 +121,12 @@ class Trainer:
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
         `state.step` back from the device; `fit` passes it.
         """
+        sizes = {np.shape(v)[0] for v in batch.values() if np.ndim(v)}
+        if any((size // self.data_size) % self.grad_accum for size in sizes):
+            size = next(iter(sizes))
+            raise JaxparError(f"--grad-accum {self.grad_accum} does not divide the per-replica batch "
+                              f"{size // self.data_size} (global {size} / data axis {self.data_size}); use a divisor "
+                              f"of {size // self.data_size}")
         if step_number is None:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self._ctx, step_number)

@@ -13,7 +13,6 @@ from models.mlp import MLP
 from models.transformer import Transformer
 
 LOSSES = {"transformer": lm_loss, "mlp": classification_loss, "cnn": classification_loss}
-HAS_BATCHNORM = ("cnn",)
 
 
 def factory(config, bn_groups: int = 1):
@@ -39,5 +38,5 @@ def loss_for(config):
     return functools.partial(LOSSES[config.model], label_smoothing=getattr(config, "label_smoothing", 0.0))
 
 
-__all__ = ["CNN", "MLP", "Transformer", "HAS_BATCHNORM", "LOSSES", "factory", "loss_for", "classification_loss",
+__all__ = ["CNN", "MLP", "Transformer", "LOSSES", "factory", "loss_for", "classification_loss",
            "lm_loss"]

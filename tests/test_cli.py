@@ -60,6 +60,35 @@ def test_cli_eval_every_logs_held_out_metrics_and_large_batch_flags_take_effect(
     assert steps[4]["batch_size"] == 64 and steps[4]["lr"] == pytest.approx(6e-3)
 
 
+def test_tiny_held_out_split_is_refused_before_training(tmp_path, capsys):
+    text = tmp_path / "small.txt"
+    text.write_bytes(bytes(range(256)) * 20)  # 5120 bytes: 38 training windows, 1 validation window
+    assert run.main(["--data", str(text), "--mesh", "2x4", "--metrics", str(tmp_path / "m.jsonl")]) == 2
+    assert "the held-out split has 1 examples, fewer than the 2 data replicas" in capsys.readouterr().err
+    assert not (tmp_path / "m.jsonl").exists()
+
+
+def test_evaluation_is_not_subject_to_grad_accum(capsys):
+    assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "2", "--batch-size", "96", "--grad-accum", "4"]) == 0
+    assert "held-out at step 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def get_config():\n    return jaxpar.Config(foo=1)", "could not be loaded (TypeError"),
+    ("def get_config():\n    return jaxpar.Config(mesh=8)", "--mesh 8: must be a string"),
+    ("def get_config():\n    return jaxpar.Config(lr='0.1')", "--lr '0.1': must be a number"),
+    ("def get_config():\n    return jaxpar.Config(channels=(16,))", "channels (16,): must be two positive integers"),
+    ("def get_config():\n    return jaxpar.Config(rules={'mlp': 3})", "rules {'mlp': 3}: must map logical axis"),
+    ("x = 1", "defines no get_config()"),
+])
+def test_bad_config_files_are_one_line_errors(tmp_path, capsys, body, message):
+    path = tmp_path / "cfg.py"
+    path.write_text("import jaxpar\n" + body + "\n")
+    assert run.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
 def test_large_digits_batch_still_evaluates_the_whole_test_split(capsys):
     assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "2", "--batch-size", "512", "--optimizer",
                      "momentum", "--lr", "0.05"]) == 0
@@ -86,7 +115,7 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--model", "mlp", "--data", "x.txt"], "--data 'x.txt': the mlp model trains on the built-in digits dataset"),
     (["--metrics", "/no/such/dir/m.jsonl"], "--metrics '/no/such/dir/m.jsonl': folder '/no/such/dir' does not exist"),
     (["--model", "mlp", "--batch-size", "4096"], "digits training split has 1497 examples, fewer than one global "
-                                                 "batch of 4096; use --batch-size 1497 or less"),
+                                                 "batch of 4096; use a global batch (--batch-size / --batch-ramp) of 1497 or less"),
     (["--dropout", "1.5"], "--dropout 1.5: must be in [0, 1)"),
     (["--strategy", "gossip"], "--strategy 'gossip' is not a strategy; choose one of sync, local_sgd, diloco, ssp, asp"),
     (["--allreduce", "tree"], "--allreduce 'tree' is not one of: psum, ring, torus2d, ps"),
@@ -104,6 +133,10 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--strategy", "asp", "--stragglers", "3:0"], "--stragglers '3:0'"),
     (["--strategy", "asp", "--stragglers", "3:x"], "--stragglers '3:x'"),
     (["--eval-every", "-1"], "--eval-every -1: must be an integer >= 0"),
+    (["--seed", "5000000000"], "--seed 5000000000: must be in [0, 2**32)"),
+    (["--metrics", "/tmp"], "--metrics '/tmp': not a writable file path"),
+    (["--lr-schedule", "step", "--lr-decay-steps", "\u00b2"], "must be increasing step numbers"),
+    (["--batch-ramp", "\u00b2:0"], "is not SIZE:FROM_STEP"),
     (["--optimizer", "rmsprop"], "--optimizer 'rmsprop': choose one of adamw, sgd, momentum"),
     (["--model", "mlp", "--mesh", "8", "--steps", "5", "--optimizer", "sgd", "--lr", "1e30"],
      "training diverged: loss is nan at step 2; lower --lr"),

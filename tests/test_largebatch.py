@@ -34,6 +34,8 @@ def test_warmup_and_decay_schedules():
     step = lr_schedule(1.0, 100, schedule="step")  # default decay at 50% and 75%
     assert [float(step(t)) for t in (49, 50, 74, 75)] == pytest.approx([1.0, 0.1, 0.1, 0.01])
     assert float(lr_schedule(1.0, 100, schedule="step", decay_steps=(10,), decay_factor=0.5)(10)) == 0.5
+    assert float(lr_schedule(1.0, 1, schedule="step")(0)) == 1.0  # a 1-step run does not start decayed
+    np.testing.assert_allclose(np.asarray(step(np.arange(100)))[[49, 50, 75]], [1.0, 0.1, 0.01], rtol=1e-6)  # vectorised
 
 
 def test_batch_ramp_lr_follows_the_scaling_rule():

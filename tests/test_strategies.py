@@ -202,3 +202,18 @@ def test_hand_written_allreduce_with_tensor_parallelism_sends_only_the_local_mod
     n = 2  # ring over 2 replicas: 2(N-1)/N of the buffer (plus padding)
     assert local_bytes * 2 * (n - 1) / n <= sent <= local_bytes * 2 * (n - 1) / n + 64
     assert sent < full_bytes / 2
+
+
+def test_local_after_beyond_the_first_clock_window_plans_fine():
+    trainer = trainer_for("mlp", "4x2", strategy=jaxpar.LocalSGD(period=4, local_after=2000))
+    plans = [trainer.strategy.plan(trainer._ctx, n) for n in (0, 1999, 2000, 2003)]
+    assert [p.variant for p in plans] == ["sync", "sync", "local", "meet"]
+    assert plans[1].host_metrics["sim_time"] == 2000.0
+
+
+def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refused():
+    strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
+    trainer = trainer_for("mlp", "4x2", strategy=strategy)
+    assert strategy.buffer_size(4) == 2
+    strategy.plan(trainer._ctx, 100)  # plans past the horizon keep the compiled buffer size
+    assert strategy.buffer_size(4) == 2

@@ -84,7 +84,7 @@ class LocalSGD:
 
     def _time_after(self, num_replicas, step_number):
         if step_number >= len(self._times):  # a pure function of the step number, memoised
-            total = max(2 * step_number + 1, 1024)
+            total = max(2 * step_number + 1, 1024, self.local_after + 1)
             synced = bsp_times(self.stragglers, num_replicas, self.local_after, 1) if self.local_after else np.zeros(0)
             start = synced[-1] if len(synced) else 0.0
             local = start + bsp_times(self.stragglers, num_replicas, total - self.local_after, self.period)

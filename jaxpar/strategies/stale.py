@@ -46,19 +46,23 @@ class SSP:
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
         self.allreduce, self.torus_x = allreduce, torus_x
         self.stragglers = as_stragglers(stragglers)
-        self._schedule = None
+        self._schedule, self._buffer = None, None
 
     # --- host-side schedule -------------------------------------------------------------------------------------
     def schedule(self, num_replicas: int, updates: int):
         """The simulated updates (memoised; a longer request re-simulates, and the prefix is identical)."""
-        if self._schedule is None or len(self._schedule) < updates:
-            self._schedule = simulate_ps(self.stragglers, num_replicas, self.bound, max(updates, self.horizon))
+        if self._schedule is None or len(self._schedule) < updates:  # grows geometrically past the horizon
+            length = max(updates, self.horizon, 2 * len(self._schedule or ()))
+            self._schedule = simulate_ps(self.stragglers, num_replicas, self.bound, length)
         return self._schedule
 
     def buffer_size(self, num_replicas: int) -> int:
-        if self.bound is not None:
-            return self.bound + 1
-        return int(max(u.staleness.max() for u in self.schedule(num_replicas, self.horizon))) + 1
+        """B, fixed once: S + 1 for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
+        if self._buffer is None:
+            horizon = self.schedule(num_replicas, self.horizon)[:self.horizon]
+            self._buffer = self.bound + 1 if self.bound is not None else int(
+                max(u.staleness.max() for u in horizon)) + 1
+        return self._buffer
 
     def plan(self, ctx, step_number: int) -> Plan:
         update = self.schedule(ctx.num_replicas, step_number + 1)[step_number]
