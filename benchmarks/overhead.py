@@ -29,7 +29,6 @@ def main():
     mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
 
     import jax
-    import numpy as np
     import optax
     from flax import nnx
 

@@ -141,8 +141,8 @@ class Config:
             raise ConfigError(f"--seed {self.seed}: must be in [0, 2**32)")
 
     def _validate_strategy(self) -> None:
-        from jaxpar.collectives import ALLREDUCE_ALGORITHMS
         from jaxpar.strategies.simulator import parse_stragglers
+        from jaxpar.strategies.sync import check_allreduce
 
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"--strategy {self.strategy!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
@@ -150,10 +150,7 @@ class Config:
             if getattr(self, name) is not None and self.strategy not in strategies:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} does not apply to --strategy "
                                   f"{self.strategy}; it applies to {' / '.join(strategies)}")
-        if self.allreduce is not None and self.allreduce not in ALLREDUCE_ALGORITHMS:
-            raise ConfigError(f"--allreduce {self.allreduce!r} is not one of: {', '.join(ALLREDUCE_ALGORITHMS)}")
-        if self.torus is not None and self.allreduce != "torus2d":
-            raise ConfigError(f"--torus {self.torus} applies only to --allreduce torus2d")
+        check_allreduce(self.allreduce, self.torus)
         for flag, value, low in (("--torus", self.torus, 1), ("--sync-period", self.sync_period, 1),
                                  ("--local-after", self.local_after, 0), ("--staleness", self.staleness, 0)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
@@ -189,7 +186,7 @@ class Config:
         if self.bn is not None and self.model != "cnn":
             raise ConfigError(f"--bn {self.bn}: the {self.model} model has no BatchNorm; --bn applies to --model cnn")
         if self.bn == "sync" and (self.strategy != "sync" or self.allreduce is not None):
-            raise ConfigError(f"--bn sync needs --strategy sync without --allreduce; the explicit strategies "
+            raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
                               f"normalise each replica's slice (use --bn local)")
         if self.batch_ramp is not None:
             parse_batch_ramp(self.batch_ramp)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -30,8 +29,7 @@ from jaxpar.sharding import optimizer_shardings
 from jaxpar.step import apply_gradients, loss_and_grad
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.simulator import bsp_times
-from jaxpar.strategies.sync import as_stragglers, check_against_mesh, check_allreduce
+from jaxpar.strategies.sync import SimulatedClock, as_stragglers, check_against_mesh, check_allreduce
 
 SHARDED = P("data")
 
@@ -49,7 +47,7 @@ class LocalSGD:
         self.period, self.local_after = period, local_after
         self.allreduce, self.torus_x = allreduce, torus_x
         self.stragglers = as_stragglers(stragglers)
-        self._times = np.zeros(0)
+        self.clock = SimulatedClock(self.stragglers, period, local_after)
 
     # --- state -----------------------------------------------------------------------------------------------
     def _anchor_opt_state(self, ctx, params):
@@ -80,16 +78,7 @@ class LocalSGD:
             variant = "meet"
         else:
             variant = "local"
-        return Plan(variant, {}, {"sim_time": self._time_after(ctx.num_replicas, step_number)})
-
-    def _time_after(self, num_replicas, step_number):
-        if step_number >= len(self._times):  # a pure function of the step number, memoised
-            total = max(2 * step_number + 1, 1024, self.local_after + 1)
-            synced = bsp_times(self.stragglers, num_replicas, self.local_after, 1) if self.local_after else np.zeros(0)
-            start = synced[-1] if len(synced) else 0.0
-            local = start + bsp_times(self.stragglers, num_replicas, total - self.local_after, self.period)
-            self._times = np.concatenate([synced, local])
-        return float(self._times[step_number])
+        return Plan(variant, {}, {"sim_time": self.clock.time_after(ctx.num_replicas, step_number)})
 
     # --- steps -------------------------------------------------------------------------------------------------
     def steps(self, ctx):

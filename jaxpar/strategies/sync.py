@@ -29,7 +29,7 @@ def check_allreduce(allreduce, torus_x):
     if allreduce is not None and allreduce not in ALLREDUCE_ALGORITHMS:
         raise ConfigError(f"--allreduce {allreduce!r} is not one of: {', '.join(ALLREDUCE_ALGORITHMS)}")
     if torus_x is not None and allreduce != "torus2d":
-        raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d (got {allreduce or 'default'})")
+        raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d")
 
 
 def check_against_mesh(ctx, stragglers: Stragglers, allreduce, torus_x) -> None:
@@ -44,14 +44,20 @@ def as_stragglers(stragglers) -> Stragglers:
 
 
 class SimulatedClock:
-    """Host-side simulated seconds after each step for strategies whose replicas meet every `period` steps."""
+    """Host-side simulated seconds after each step for replicas that meet every step for the first `sync_steps`
+    steps and every `period` steps after that (sync SGD: period 1; post-local SGD: sync_steps = K)."""
 
-    def __init__(self, stragglers, period: int = 1):
-        self.stragglers, self.period, self._times = as_stragglers(stragglers), period, np.zeros(0)
+    def __init__(self, stragglers, period: int = 1, sync_steps: int = 0):
+        self.stragglers, self.period, self.sync_steps = as_stragglers(stragglers), period, sync_steps
+        self._times = np.zeros(0)
 
     def time_after(self, num_replicas: int, step_number: int) -> float:
         if step_number >= len(self._times):  # extended geometrically; a pure function of the step number
-            self._times = bsp_times(self.stragglers, num_replicas, max(2 * step_number + 1, 1024), self.period)
+            total = max(2 * step_number + 1, 1024, self.sync_steps + 1)
+            synced = bsp_times(self.stragglers, num_replicas, self.sync_steps, 1)
+            start = synced[-1] if len(synced) else 0.0
+            local = start + bsp_times(self.stragglers, num_replicas, total - self.sync_steps, self.period)
+            self._times = np.concatenate([synced, local])
         return float(self._times[step_number])
 
 
