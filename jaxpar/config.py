@@ -187,7 +187,7 @@ class Config:
             raise ConfigError(f"--bn {self.bn}: the {self.model} model has no BatchNorm; --bn applies to --model cnn")
         if self.bn == "sync" and (self.strategy != "sync" or self.allreduce is not None):
             raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
-                              f"normalise each replica's slice (use --bn local)")
+                              "normalise each replica's slice (use --bn local)")
         if self.batch_ramp is not None:
             parse_batch_ramp(self.batch_ramp)
 
