@@ -1,11 +1,24 @@
-"""Mesh specs ("8", "2x4", "data=2,model=4") -> `jax.sharding.Mesh` with axes ("data", "model").
+"""The ONE module that names mesh axes and says what each is for; mesh specs -> `jax.sharding.Mesh`.
+
+Axes, outermost to innermost (the device grid is laid out in this order, so `model` gets the closest devices and
+`data` is the axis that crosses hosts first):
+
+- `data`: data parallelism; the replica axis of local SGD / DiLoCo / SSP / ASP (a replica = one data group);
+- `fsdp`: ZeRO-3 / FSDP: the batch is split over it *and* parameters and optimizer state are sharded over it;
+- `model`: Megatron-style tensor parallelism.
+
+Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`, ...) and
+never spells an axis name, so a later axis (pipeline stages) slots in by adding it and its roles here.
+
+Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
+`"data=2,fsdp=2,model=2"`, `"fsdp=8"`; absent axes have size 1; `-1` once means all remaining devices.
 
 On a CPU-only machine the number of devices is a start-up setting of XLA. `make_mesh` provides it (unless the
 user already chose a count, or JAX has already started) so that `--mesh 2x4` just works on a laptop.
 
-    >>> mesh = make_mesh("2x4")        # doctest: +SKIP
-    >>> dict(mesh.shape)               # doctest: +SKIP
-    {'data': 2, 'model': 4}
+    >>> mesh = make_mesh("data=2,fsdp=2,model=2")     # doctest: +SKIP
+    >>> dict(mesh.shape)                              # doctest: +SKIP
+    {'data': 2, 'fsdp': 2, 'model': 2}
 """
 
 from __future__ import annotations
@@ -16,33 +29,47 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.errors import MeshError
 
-AXES = ("data", "model")
-_FORMS = "'8' (data only), '2x4' (data x model) or 'data=2,model=4'; -1 in one place means all remaining devices"
+DATA, FSDP, MODEL = "data", "fsdp", "model"
+AXES = (DATA, FSDP, MODEL)  # outermost to innermost
+
+# Roles. Each is a tuple of axis names in mesh order (or one name).
+BATCH_AXES = (DATA, FSDP)  # the global batch's leading dimension is split over these
+GRADIENT_AXES = (DATA, FSDP)  # gradients are averaged over these (by the compiler under Sync())
+PARAMETER_AXES = (FSDP, MODEL)  # parameters and optimizer state are sharded over these by the rules
+REPLICA_AXIS = DATA  # the worker of the non-sync strategies; inside a replica the other axes stay automatic
+FSDP_AXIS = FSDP  # placement-only sharding (no change to the math): falls back to another dimension, or whole
+TENSOR_AXIS = MODEL  # tensor parallelism: a rule that does not divide is an error
+WITHIN_REPLICA_AXES = tuple(a for a in AXES if a != REPLICA_AXIS)
+
+# "AxB" / "AxBxC" positional forms name these axes, in order.
+_POSITIONAL = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
+_FORMS = ("'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model) or named, e.g. "
+          "'data=2,fsdp=2,model=2' or 'fsdp=8'; -1 in one place means all remaining devices")
 
 
-def parse_mesh_spec(spec: str) -> tuple[int, int]:
-    """Returns (data, model) sizes; -1 stands for "all remaining devices" and is resolved by `resolve_shape`."""
+def parse_mesh_spec(spec: str) -> tuple[int, ...]:
+    """Sizes of `AXES` in order; -1 stands for "all remaining devices" and is resolved by `resolve_shape`."""
     text = str(spec).strip().replace(" ", "")
+    sizes: dict[str, int] = {}
     if "=" in text:
-        sizes = {}
         for part in text.split(","):
             name, _, value = part.partition("=")
             if name not in AXES:
-                raise MeshError(f"--mesh {spec!r}: unknown axis {name!r}; axes are 'data' and 'model' ({_FORMS})")
+                raise MeshError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {', '.join(AXES)} ({_FORMS})")
             if name in sizes:
                 raise MeshError(f"--mesh {spec!r}: axis {name!r} given twice ({_FORMS})")
             sizes[name] = _parse_size(spec, value)
-        shape = (sizes.get("data", 1), sizes.get("model", 1))
     else:
         parts = text.lower().split("x")
-        if len(parts) > 2:
-            raise MeshError(f"--mesh {spec!r}: {len(parts)} axes given but a mesh has at most 2, data and model ({_FORMS})")
-        shape = tuple(_parse_size(spec, p) for p in parts)
-        shape = shape if len(shape) == 2 else (shape[0], 1)
+        if len(parts) not in _POSITIONAL:
+            raise MeshError(f"--mesh {spec!r}: {len(parts)} axes given but a mesh has at most {len(AXES)}, "
+                            f"{', '.join(AXES)} ({_FORMS})")
+        sizes = dict(zip(_POSITIONAL[len(parts)], (_parse_size(spec, p) for p in parts)))
+    shape = tuple(sizes.get(axis, 1) for axis in AXES)
     if shape.count(-1) > 1:
         raise MeshError(f"--mesh {spec!r}: -1 may appear only once ({_FORMS})")
     return shape
@@ -57,9 +84,16 @@ def _parse_size(spec: str, value: str) -> int:
     return size
 
 
-def resolve_shape(shape: tuple[int, int], num_devices: int, spec: str = "") -> tuple[int, int]:
+def format_shape(shape) -> str:
+    """The named spec of a shape: (2, 1, 4) -> 'data=2,model=4' (axes of size 1 left out)."""
+    named = [f"{axis}={size}" for axis, size in zip(AXES, shape) if size != 1]
+    return ",".join(named) or f"{DATA}=1"
+
+
+def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "") -> tuple[int, ...]:
     """Replaces a -1 by the number of remaining devices and checks the mesh fits `num_devices`."""
-    spec = spec or "x".join(map(str, shape))
+    shape = tuple(shape)
+    spec = spec or format_shape(shape)
     if -1 in shape:
         fixed = math.prod(s for s in shape if s != -1)
         if num_devices % fixed:
@@ -73,9 +107,18 @@ def resolve_shape(shape: tuple[int, int], num_devices: int, spec: str = "") -> t
     return shape
 
 
-def _suggest(shape: tuple[int, int], num_devices: int) -> str:
-    model = shape[1] if shape[1] != -1 and shape[1] <= num_devices and num_devices % shape[1] == 0 else 1
-    return f"{num_devices // model}x{model}"
+def _suggest(shape: tuple[int, ...], num_devices: int) -> str:
+    """A spec that fits: the inner axes kept where they divide the devices, `data` takes the rest."""
+    inner = 1
+    kept = {}
+    for axis, size in zip(AXES[1:], shape[1:]):
+        if size not in (-1, 1) and num_devices % (inner * size) == 0:
+            kept[axis] = size
+            inner *= size
+    data = num_devices // inner
+    if set(kept) <= {MODEL}:
+        return f"{data}x{kept.get(MODEL, 1)}"
+    return format_shape(tuple([data] + [kept.get(axis, 1) for axis in AXES[1:]]))
 
 
 def user_set_cpu_device_count() -> bool:
@@ -98,18 +141,78 @@ def ensure_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-def make_mesh(spec: str | tuple[int, int] = "-1", devices=None) -> Mesh:
-    """Builds the ("data", "model") mesh from a spec; a mesh smaller than the device list uses the first devices.
+def make_mesh(spec: str | tuple[int, ...] = "-1", devices=None) -> Mesh:
+    """Builds the (data, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first devices.
 
-    Both axes are `AxisType.Auto`: the compiler partitions everything a sharding does not pin down (GSPMD style),
-    which is what tensor parallelism through `NamedSharding` and `shard_map(axis_names={"data"})` expect.
+    A tuple spec of 2 is (data, model) and of 3 is (data, fsdp, model), like the "AxB" forms. Every axis is
+    `AxisType.Auto`: the compiler partitions what a sharding does not pin down (GSPMD style), which is what
+    `NamedSharding` parameters and `shard_map(axis_names={REPLICA_AXIS})` expect.
     """
-    shape = parse_mesh_spec(spec) if isinstance(spec, str) else tuple(spec)
+    if isinstance(spec, str):
+        shape, text = parse_mesh_spec(spec), spec
+    else:
+        sizes = tuple(spec)
+        if len(sizes) not in _POSITIONAL:
+            raise MeshError(f"mesh shape {sizes!r}: give 1 to {len(AXES)} sizes ({_FORMS})")
+        named = dict(zip(_POSITIONAL[len(sizes)], sizes))
+        shape, text = tuple(named.get(axis, 1) for axis in AXES), "x".join(map(str, sizes))
     if devices is None:
         if -1 not in shape:
             ensure_cpu_devices(math.prod(shape))
         devices = jax.devices()
-    shape = resolve_shape(shape, len(devices), spec if isinstance(spec, str) else "")
+    shape = resolve_shape(shape, len(devices), text)
     grid = np.asarray(devices[: math.prod(shape)], dtype=object).reshape(shape)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
+
+# --- questions asked by role ---------------------------------------------------------------------------------------
+def size(mesh: Mesh, axes) -> int:
+    """Devices along one axis name or a tuple of them (1 for axes the mesh lacks)."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape.get(a, 1) for a in names)
+
+
+def replica_count(mesh: Mesh) -> int:
+    return size(mesh, REPLICA_AXIS)
+
+
+def batch_ways(mesh: Mesh) -> int:
+    """How many ways the global batch is split: the global batch must divide by this."""
+    return size(mesh, BATCH_AXES)
+
+
+def shape_line(mesh: Mesh) -> str:
+    """'data=2 x fsdp=1 x model=4' for progress output."""
+    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
+
+
+def batch_spec(leading=()) -> P:
+    """Examples over the batch axes; `leading` unsplit dimensions in front (e.g. a microbatch axis)."""
+    return P(*leading, BATCH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec())
+
+
+def replica_spec(*rest) -> P:
+    """Leading dimension = one entry per replica, over the replica axis; `rest` for the other dimensions."""
+    return P(REPLICA_AXIS, *rest)
+
+
+def replica_batch_spec() -> P:
+    """Inside a replica (manual over the replica axis only) the batch's rows are split over the replica axis."""
+    return P(REPLICA_AXIS)
+
+
+def keep_within_replica(spec: P) -> P:
+    """`spec` with every axis but the within-replica ones dropped: the spec of one replica's shard for a
+    shard_map manual over the within-replica axes (what a device holds of a parameter inside its replica)."""
+    def keep(entry):
+        if entry is None:
+            return None
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a in WITHIN_REPLICA_AXES)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return P(*(keep(e) for e in spec))

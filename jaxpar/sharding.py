@@ -1,48 +1,56 @@
 """Every partitioning decision: logical axis names -> mesh axes -> `NamedSharding`.
 
-Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`); a rules table maps
-each logical name to a mesh axis (or None = replicated). Anything a rule does not name is replicated. A rule that
-names a mesh axis the mesh does not have, a parameter with two dimensions on one mesh axis, or a dimension that
-does not divide by its mesh axis is a `ShardingError` naming the parameter.
+Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`); rules map each
+logical name to a mesh axis (or None = replicated). Rules come in two forms:
+
+- a dict `{"mlp": "model", "embed": "fsdp"}`: one mesh axis per name; two dimensions of one parameter on the same
+  mesh axis is a `ShardingError`;
+- Flax's list of pairs `[("mlp", "model"), ("embed", "fsdp"), ("embed", None)]` (`flax.linen.logical_axis_rules`),
+  with Flax's meaning: for each dimension the first rule for its name whose mesh axes the array does not already use
+  applies; none applies -> replicated.
+
+Anything no rule names is replicated; names the model uses that no rule mentions are reported once (a typo like
+`mpl` must not silently replicate a big matrix). A rule naming a mesh axis the mesh lacks, or a tensor-parallel
+dimension that does not divide by its axis, is a `ShardingError` naming the parameter.
+
+FSDP (ZeRO-3) placement only decides where bytes live, never the math, so with the default rules (`rules=None`)
+it bends instead of failing: a dimension mapped to the fsdp axis that does not divide moves the fsdp split to the
+largest other dimension that divides (big_vision's rule), or leaves the parameter whole; each such parameter is
+listed in the plan's notes. Rules given explicitly are followed strictly.
 
     >>> spec_for(("embed", "mlp"), DEFAULT_RULES, mesh, "mlp/kernel")     # doctest: +SKIP
-    PartitionSpec(None, 'model')
+    PartitionSpec('fsdp', 'model')
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jax
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ShardingError
 
-# Megatron-style tensor parallelism: attention heads, the MLP hidden dimension and the vocabulary are split over
-# `model`; embeddings and per-head dimensions are replicated.
+# Megatron-style tensor parallelism (attention heads, the MLP hidden dimension and the vocabulary over the tensor
+# axis) plus ZeRO-3 (the embedding dimension of every big matrix over the fsdp axis).
 DEFAULT_RULES: dict[str, str | None] = {
-    "embed": None,
-    "heads": "model",
+    "embed": mesh_lib.FSDP_AXIS,
+    "heads": mesh_lib.TENSOR_AXIS,
     "kv": None,
-    "mlp": "model",
-    "vocab": "model",
+    "mlp": mesh_lib.TENSOR_AXIS,
+    "vocab": mesh_lib.TENSOR_AXIS,
 }
 
-Rules = Mapping[str, "str | tuple[str, ...] | None"]
+Rules = "Mapping[str, str | tuple[str, ...] | None] | Sequence[tuple[str, str | tuple[str, ...] | None]]"
 
 
 def path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
-def validate_rules(rules: Rules, mesh: Mesh) -> None:
-    for logical, target in rules.items():
-        for axis in _axes_of(target):
-            if axis not in mesh.axis_names:
-                raise ShardingError(f"sharding rule {logical!r} -> {axis!r} names a mesh axis that does not exist; "
-                                    f"mesh axes are {', '.join(mesh.axis_names)} (or None to replicate)")
 
 
 def _axes_of(target) -> tuple[str, ...]:
@@ -51,30 +59,125 @@ def _axes_of(target) -> tuple[str, ...]:
     return (target,) if isinstance(target, str) else tuple(target)
 
 
-def spec_for(logical_names, rules: Rules, mesh: Mesh, where: str, shape=None) -> P:
-    """The PartitionSpec of one array whose dimensions carry `logical_names` (None = unnamed)."""
+def normalize_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Rules as ordered (logical name, mesh axes) pairs; a dict becomes its items."""
+    pairs = rules.items() if isinstance(rules, Mapping) else rules
+    try:
+        out = tuple((name, _axes_of(target)) for name, target in pairs)
+    except (TypeError, ValueError):
+        raise ShardingError(f"rules {rules!r}: give a dict {{logical name: mesh axis}} or a list of "
+                            f"(logical name, mesh axis) pairs") from None
+    for name, axes in out:
+        if not isinstance(name, str) or not all(isinstance(a, str) for a in axes):
+            raise ShardingError(f"rules {rules!r}: rule {name!r} -> {axes!r} must pair a logical name with a mesh "
+                                f"axis name, a tuple of them, or None")
+    return out
+
+
+def validate_rules(rules, mesh: Mesh) -> None:
+    for logical, axes in normalize_rules(rules):
+        for axis in axes:
+            if axis not in mesh.axis_names:
+                raise ShardingError(f"sharding rule {logical!r} -> {axis!r} names a mesh axis that does not exist; "
+                                    f"mesh axes are {', '.join(mesh.axis_names)} (or None to replicate)")
+
+
+def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: bool = True, notes=None) -> P:
+    """The PartitionSpec of one array whose dimensions carry `logical_names` (None = unnamed).
+
+    `strict=False` lets an fsdp placement that does not divide fall back (see the module docstring); `notes`, a
+    `PlanNotes`, collects what fell back.
+    """
     if logical_names is None:
         return P()
-    entries, used = [], {}
+    is_list = not isinstance(rules, Mapping)
+    pairs = normalize_rules(rules)
+    entries: list[tuple[str, ...]] = []
+    used: dict[str, int] = {}
+    misplaced = []  # (dim, axis): fsdp placements that did not divide (non-strict only)
     for dim, logical in enumerate(logical_names):
-        target = rules.get(logical) if logical is not None else None
-        axes = _axes_of(target)
-        for axis in axes:  # that each axis exists is checked once, by validate_rules
+        candidates = [axes for name, axes in pairs if name == logical] if logical is not None else []
+        axes: tuple[str, ...] = ()
+        for option in candidates:
+            if is_list and any(a in used for a in option):
+                continue  # Flax: the next rule for this name whose mesh axes are still free
+            axes = option
+            break
+        for axis in axes:
             if axis in used:
                 raise ShardingError(f"parameter {where}: dimensions {used[axis]} ({logical_names[used[axis]]!r}) and "
                                     f"{dim} ({logical!r}) both map to mesh axis {axis!r}; change the rules so each "
                                     f"mesh axis shards at most one dimension")
             used[axis] = dim
-        if shape is not None and axes:
-            ways = 1
-            for axis in axes:
-                ways *= mesh.shape[axis]
-            if shape[dim] % ways:
+        if shape is not None and axes and shape[dim] % mesh_lib.size(mesh, axes):
+            soft = tuple(a for a in axes if a == mesh_lib.FSDP_AXIS)
+            hard = tuple(a for a in axes if a != mesh_lib.FSDP_AXIS)
+            if strict or shape[dim] % mesh_lib.size(mesh, hard):
+                ways = mesh_lib.size(mesh, axes)
+                joined = "x".join(axes)
                 raise ShardingError(f"model dimension {logical!r} = {shape[dim]} (parameter {where}) is not divisible "
-                                    f"by mesh axis {'x'.join(axes)!r} of size {ways}; choose {logical} divisible by "
-                                    f"{ways} or a smaller {'x'.join(axes)} axis")
-        entries.append(axes[0] if len(axes) == 1 else (axes or None))
-    return P(*entries)
+                                    f"by mesh axis {joined!r} of size {ways}; choose {logical} divisible by "
+                                    f"{ways}, a smaller {joined} axis, or map {logical!r} to None in the rules")
+            for axis in soft:
+                misplaced.append(axis)
+                del used[axis]
+            axes = hard
+        entries.append(axes)
+    for axis in misplaced:
+        _place_elsewhere(entries, axis, mesh, shape, where, notes)
+    return P(*[a[0] if len(a) == 1 else (a or None) for a in entries])
+
+
+def _place_elsewhere(entries, axis, mesh, shape, where, notes) -> None:
+    """big_vision's fsdp rule for one axis whose named dimension did not divide: the largest dimension that does
+    (an unsplit one first, else one whose shard still divides), or nowhere."""
+    ways = mesh_lib.size(mesh, axis)
+
+    def shard(dim):
+        return shape[dim] // mesh_lib.size(mesh, entries[dim])
+
+    free = [d for d in range(len(shape)) if not entries[d] and shape[d] % ways == 0]
+    split = [d for d in range(len(shape)) if entries[d] and shard(d) % ways == 0]
+    for group in (free, split):
+        if group:
+            dim = max(group, key=lambda d: (shape[d], -d))
+            entries[dim] = entries[dim] + (axis,)
+            if notes is not None:
+                notes.moved.append((where, tuple(shape), dim))
+            return
+    if notes is not None:
+        notes.whole.append((where, tuple(shape)))
+
+
+@dataclass
+class PlanNotes:
+    """What the sharding plan decided that a user should hear about (each reported once, at start-up)."""
+
+    moved: list = field(default_factory=list)  # (parameter, shape, dim): fsdp moved to another dimension
+    whole: list = field(default_factory=list)  # (parameter, shape): fsdp could not split it: whole on each device
+    unruled: set = field(default_factory=set)  # logical names used by the model that no rule mentions
+    annotated: int = 0  # parameters with any logical names
+    parameters: int = 0
+
+    def lines(self, mesh: Mesh) -> list[str]:
+        out = []
+        if self.parameters and not self.annotated and mesh_lib.size(mesh, mesh_lib.PARAMETER_AXES) > 1:
+            out.append(f"the model names no parameter dimensions (nnx.with_partitioning), so every parameter is "
+                       f"replicated on all {mesh.size} devices; the {'/'.join(mesh_lib.PARAMETER_AXES)} axes only "
+                       f"split the batch")
+        if self.unruled:
+            out.append(f"logical axis names {', '.join(sorted(self.unruled))} appear in the model but in no sharding "
+                       f"rule, so those dimensions are replicated; add a rule (or map them to None to silence this)")
+        if self.whole:
+            listed = ", ".join(f"{name} {list(shape)}" for name, shape in self.whole[:6])
+            more = f" and {len(self.whole) - 6} more" if len(self.whole) > 6 else ""
+            out.append(f"fsdp: {len(self.whole)} parameter(s) stay whole on every {mesh_lib.FSDP_AXIS} device (no "
+                       f"dimension divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}): {listed}{more}")
+        if self.moved:
+            listed = ", ".join(f"{name} {list(shape)} on dim {dim}" for name, shape, dim in self.moved[:6])
+            out.append(f"fsdp: {len(self.moved)} parameter(s) split along another dimension than the rules name: "
+                       f"{listed}")
+        return out
 
 
 def logical_names_of(variable: nnx.Variable):
@@ -86,13 +189,19 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state, rules: Rules, mesh: Mesh):
+def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, notes: PlanNotes | None = None):
     """NamedShardings for an (abstract) nnx.State, from each Variable's logical names and the rules."""
+    ruled = {name for name, _ in normalize_rules(rules)}
 
     def one(path, variable):
         names = logical_names_of(variable) if is_variable(variable) else None
         shape = getattr(variable, "shape", None)
-        return NamedSharding(mesh, spec_for(names, rules, mesh, path_name(path), shape))
+        if notes is not None and isinstance(variable, nnx.Param):
+            notes.parameters += 1
+            if names and any(n is not None for n in names):
+                notes.annotated += 1
+                notes.unruled.update(n for n in names if n is not None and n not in ruled)
+        return NamedSharding(mesh, spec_for(names, rules, mesh, path_name(path), shape, strict, notes))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)
 
@@ -108,5 +217,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (example) dimension split over `data`, everything else replicated."""
-    return NamedSharding(mesh, P("data"))
+    """Leading (example) dimension split over the batch axes, everything else replicated."""
+    return mesh_lib.batch_sharding(mesh)
+
+
+def bytes_per_device(abstract_tree, shardings) -> int:
+    """Bytes one device holds of a pytree of ShapeDtypeStructs placed by `shardings` (the largest device's share)."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract_tree), jax.tree.leaves(
+            shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
+        total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total

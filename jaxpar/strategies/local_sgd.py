@@ -36,6 +36,8 @@ SHARDED = P("data")
 
 class LocalSGD:
     name = "local_sgd"
+    OPTIONS: dict = {"sync_period": 4, "local_after": 0}
+    local_statistics = True
 
     def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
                  stragglers=None):
@@ -153,6 +155,7 @@ class LocalSGD:
 
 class DiLoCo(LocalSGD):
     name = "diloco"
+    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "outer_lr": 0.7, "outer_momentum": 0.9}
 
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):

@@ -35,6 +35,8 @@ from jaxpar.strategies.sync import as_stragglers, check_against_mesh, check_allr
 
 class SSP:
     name = "ssp"
+    OPTIONS: dict = {"staleness": 2}
+    local_statistics = True
 
     def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
@@ -146,6 +148,7 @@ class SSP:
 
 class ASP(SSP):
     name = "asp"
+    OPTIONS: dict = {}
 
     def __init__(self, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):

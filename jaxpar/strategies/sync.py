@@ -63,6 +63,12 @@ class SimulatedClock:
 
 class Sync:
     name = "sync"
+    OPTIONS: dict = {}  # config fields specific to this strategy -> their defaults (see strategies/__init__.py)
+
+    @property
+    def local_statistics(self) -> bool:
+        """Replicas compute on their own slice (shard_map), so BatchNorm statistics are per replica."""
+        return self.allreduce is not None
 
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None):
         check_allreduce(allreduce, torus_x)
