@@ -1,13 +1,13 @@
 """Command line: flags -> jaxpar.Config -> jaxpar.experiment.train(config).   python run.py --mesh 2x4 --help"""
 
 import argparse
+import logging
 import sys
 
 import jaxpar
 from jaxpar.config import load_config_file
 from jaxpar.experiment import train
-from jaxpar.flags import FLAGS
-
+from jaxpar.flags import add_flags, overrides
 
 
 class Parser(argparse.ArgumentParser):
@@ -16,19 +16,30 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def parser() -> Parser:
+    out = Parser(prog="run.py",
+                 description="Train a Flax NNX model with data, FSDP and model parallelism on a JAX device mesh.")
+    out.add_argument("--config", help="Python file defining get_config() -> jaxpar.Config, e.g. configs/mlp.py; "
+                                      "the flags below override its fields")
+    add_flags(out)
+    return out
+
+
 def parse(argv) -> jaxpar.Config:
-    parser = Parser(description="Train a Flax NNX model with data x model parallelism on a JAX device mesh.")
-    parser.add_argument("--config", help="Python file defining get_config() -> jaxpar.Config, e.g. "
-                                         "configs/mlp.py; the flags below override its fields")
-    for flag, kind, text in FLAGS:
-        parser.add_argument(flag, type=kind, help=text, default=None)
-    args = parser.parse_args(argv)
+    """The config the command line asks for: the --config file's (or the default) with the flags' overrides,
+    validated and with every default that applies filled in."""
+    args = parser().parse_args(argv)
     config = load_config_file(args.config) if args.config else jaxpar.Config()
-    given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
-    return config.replace(**given)
+    return config.replace(**overrides(args)).validate().resolved()
 
 
 def main(argv=None) -> int:
+    notes = logging.getLogger("jaxpar")  # the trainer's start-up notes (e.g. parameters FSDP leaves whole)
+    if not notes.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("jaxpar: note: %(message)s"))
+        notes.addHandler(handler)
+        notes.propagate = False
     try:
         summary = train(parse(argv))
     except jaxpar.JaxparError as error:

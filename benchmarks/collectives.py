@@ -3,6 +3,7 @@ and step time, on the 8-device data axis (mesh "8", i.e. 8 x 1).
 
     python benchmarks/collectives.py                              # transformer (default config, dropout 0)
     python benchmarks/collectives.py --model mlp --steps 50       # the digits MLP (tiny gradients: latency bound)
+    python benchmarks/collectives.py --fsdp                       # FSDP (ZeRO-3) traffic on 5 meshes, vs theory
 
 For each variant (`Sync()`: the partitioner's all-reduce, labelled "gspmd"; `Sync("psum")`, `Sync("ring")`,
 `Sync("torus2d")`, `Sync("ps")`: the explicit `shard_map` average) the step is lowered and compiled, and
@@ -24,6 +25,23 @@ to psum are printed.
 On one CPU host the "network" is memory: a collective-permute is a memcpy between buffers of one process, and
 8 devices share 2 cores. Step-time ratios therefore reflect the number of collective ops (each one a rendezvous
 of 8 device threads) and their latency, not link bandwidth; the bytes columns are what would matter on a cluster.
+
+`--fsdp` prints a different table instead: the `Sync()` step (the partitioner inserts every collective) on the
+meshes of `--meshes` (default fsdp=8, data=2,fsdp=4, data=2,fsdp=2,model=2, fsdp=4,model=2 and 8 for reference).
+Per mesh: count and result bytes per device of each collective kind (`collective_stats`); the bytes a device
+holds of the parameters and of parameters + optimizer state (summed over a real initialised state's shards on
+the fullest device); and FSDP traffic vs theory. Theory: with an fsdp axis of N, ZeRO-3 all-gathers the
+parameters for the forward pass, again for the backward pass, and reduce-scatters the gradients; each moves
+(N-1)/N of the gathered bytes per device on a ring, so theory = 3 x (N-1)/N x P_f, where P_f = the sum, over the
+parameters whose sharding names the fsdp axis, of (bytes / split over the other axes) = N x the bytes of their
+shard on one device: what one fsdp group gathers (a parameter also split over `model` counts 1/model of its
+bytes). Measured: every collective whose replica groups span the fsdp axis (and no other), sent bytes per device
+on a ring from its result bytes R and group size g: all-gather (g-1)/g R, reduce-scatter (g-1) R, all-reduce
+2(g-1)/g R, all-to-all (g-1)/g R. "AG x" and "RS x" say how many times P_f those collectives gathered and
+reduced (AG result bytes / P_f, RS result bytes x N / P_f): 2 and 1 is textbook ZeRO-3; XLA may keep the forward
+gather for the backward pass (AG x = 1). Collectives over other axis sets (data-axis gradient all-reduces,
+tensor-parallel activation all-reduces over `model`, or one op over data and fsdp together) are listed per mesh
+below the table, not counted as fsdp traffic.
 """
 
 import argparse
@@ -40,6 +58,8 @@ import jaxpar  # noqa: E402
 
 VARIANTS = (("gspmd", None), ("psum", "psum"), ("ring", "ring"), ("torus2d", "torus2d"), ("ps", "ps"))
 KINDS = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter")
+FSDP_MESHES = ("fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,model=2", "fsdp=4,model=2", "8")
+FSDP_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 SHORT = {"all-reduce": "AR", "collective-permute": "CP", "all-gather": "AG", "reduce-scatter": "RS"}
 
 
@@ -65,23 +85,55 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fsdp", action="store_true", help="the FSDP table (Sync() on --meshes) instead")
+    parser.add_argument("--meshes", default=";".join(FSDP_MESHES), help="--fsdp: mesh specs separated by ';'")
     args = parser.parse_args()
     mesh = jaxpar.make_mesh("8")  # before anything touches JAX: provides the CPU devices
+    if args.fsdp:
+        fsdp_table(args)
+    else:
+        allreduce_table(args, mesh)
 
-    import jax
-    import optax
 
+def setup(args):
     import models
     from jaxpar import data
-    from jaxpar.collectives import theoretical_traffic
-    from jaxpar.explain import collective_stats
 
-    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size)
+    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
     factory, loss_fn = models.factory(config), models.LOSSES[args.model]
     if args.model == "transformer":
         batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), args.batch_size, config.seq_len, 0))
     else:
         batch = next(data.array_batches(data.load_digits()[0], args.batch_size, 0))
+    return config, factory, loss_fn, batch
+
+
+def timed_rates(trainer, state, sharded_batch, steps, rounds, warmup=3):
+    """steps/s of each round (after `warmup` steps), with at most two steps in flight as in `Trainer.fit`."""
+    import jax
+
+    rates = []
+    for count in [warmup] + [steps] * rounds:
+        start, previous = time.perf_counter(), None
+        for _ in range(count):
+            state, metrics = trainer.step(state, sharded_batch, 0)
+            if previous is not None:
+                jax.block_until_ready(previous)
+            previous = metrics["loss"]
+        jax.block_until_ready(previous)
+        rates.append(count / (time.perf_counter() - start))
+    return rates[1:], state
+
+
+def allreduce_table(args, mesh):
+
+    import jax
+    import optax
+
+    from jaxpar.collectives import theoretical_traffic
+    from jaxpar.explain import collective_stats
+
+    config, factory, loss_fn, batch = setup(args)
     n = mesh.shape["data"]
 
     runs, results = {}, {}
@@ -148,6 +200,222 @@ def main():
     for label, _ in VARIANTS:
         print(json.dumps(results[label]))
 
+
+# --- FSDP --------------------------------------------------------------------------------------------------------
+_LINE = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+                     r"|mesh\[[^\]]*\](?:, device_ids=\((?:\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))? \{[^}]*\})")
+_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
+
+
+def _shape_and_tail(rest: str) -> tuple[str, str]:
+    """Splits `(f32[2], f32[3]) all-gather(...)` / `f32[2]{0} all-gather(...)` into the shape and the rest."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1:].strip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail.strip()
+
+
+def _iota(dims: str, perm: str | None):
+    import numpy as np
+
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
+
+
+def replica_groups(text: str, num_devices: int) -> list[list[int]]:
+    """The device groups of `replica_groups=...`: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`, `{}` (one
+    group of every device), or the mesh form `mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2))
+    {'axis_0'}`: the devices (iota order unless `device_ids` says otherwise) laid out row-major on that mesh, one
+    group per position on the axes not named in braces."""
+    import numpy as np
+
+    if text == "{}":
+        return [list(range(num_devices))]
+    if text.startswith("{"):
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+    if text.startswith("mesh"):
+        sizes = re.findall(r"'([^']+)'=(\d+)", text.partition("]")[0])
+        names, shape = [n for n, _ in sizes], [int(v) for _, v in sizes]
+        ids = re.search(r"device_ids=\((.*)\) \{", text)
+        if ids and ids.group(1).startswith("["):
+            grid = _iota(*re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids.group(1)).groups())
+        elif ids:
+            grid = np.asarray([int(d) for d in ids.group(1).split(",")])
+        else:
+            grid = np.arange(int(np.prod(shape)))
+        grouped = re.findall(r"'([^']+)'", text.rpartition("{")[2])
+        if any(name not in names for name in grouped):
+            raise ValueError(f"replica_groups={text}: sub-axes are not supported by this parser")
+        axes = [names.index(name) for name in grouped]
+        rest = [i for i in range(len(shape)) if i not in axes]
+        grid = grid.reshape(shape).transpose(rest + axes)
+        return grid.reshape(-1, int(np.prod([shape[i] for i in axes]))).tolist()
+    match = re.fullmatch(_IOTA, text)
+    return _iota(match.group(2), match.group(3)).reshape([int(d) for d in match.group(1).split(",")]).tolist()
+
+
+def _arrays(shape: str) -> list[tuple[tuple[int, ...], int]]:
+    """(sorted dims, bytes) of each array in an HLO shape (a tuple result holds several)."""
+    from jaxpar.explain import shape_bytes
+
+    return [(tuple(sorted(int(d) for d in m.group(2).split(",") if d)), shape_bytes(m.group(0)))
+            for m in re.finditer(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", shape)]
+
+
+def collective_ops(hlo_text: str, mesh) -> list[dict]:
+    """Every collective in optimised SPMD HLO: kind, result bytes per device, group size and the mesh axes its
+    groups span (device id i = partition i = `mesh.devices.flat[i]`). Async `-start`/`-done` pairs count once,
+    with the `-done` result. Collective-permutes get their pairs instead of groups (axes from the pairs). `arrays`:
+    (sorted dims, bytes) of each array of the result."""
+    import numpy as np
+    from jaxpar.explain import shape_bytes
+
+    ops, starts = [], {}
+    for line in hlo_text.splitlines():
+        inst = _LINE.match(line)
+        if not inst:
+            continue
+        shape, tail = _shape_and_tail(inst.group(2))
+        opcode = tail.partition("(")[0]
+        base = opcode.removesuffix("-start").removesuffix("-done")
+        if base not in FSDP_KINDS:
+            continue
+        if opcode.endswith("-done"):
+            start = re.search(r"%([\w.\-]+)", tail)
+            if start and start.group(1) in starts:
+                starts.pop(start.group(1)).update(bytes=shape_bytes(shape), arrays=_arrays(shape))
+            continue
+        if base == "collective-permute":
+            pairs = re.search(r"source_target_pairs=(\{\{.*?\}\})", tail)
+            groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))] if pairs else []
+        else:
+            found = _GROUPS.search(tail)
+            groups = replica_groups(found.group(1) if found else "{}", mesh.size)
+            assert sorted(d for g in groups for d in g) == list(range(mesh.size)), (line, groups)
+        coords = [np.unravel_index(np.asarray(g), mesh.devices.shape) for g in groups]
+        axes = tuple(a for i, a in enumerate(mesh.axis_names) if any(len(set(c[i].tolist())) > 1 for c in coords))
+        op = {"kind": base, "bytes": shape_bytes(shape), "arrays": _arrays(shape), "axes": axes,
+              "group": max((len(g) for g in groups), default=1)}
+        if opcode.endswith("-start"):
+            starts[inst.group(1)] = op
+        ops.append(op)
+    return ops
+
+
+def ring_bytes_sent(op: dict) -> float:
+    """Bytes one device sends for `op` on a ring of its group size g, from its result bytes R."""
+    g, r = op["group"], op["bytes"]
+    return {"all-gather": (g - 1) / g * r, "reduce-scatter": (g - 1) * r, "all-reduce": 2 * (g - 1) / g * r,
+            "all-to-all": (g - 1) / g * r, "collective-permute": r}[op["kind"]]
+
+
+def device_bytes(tree) -> int:
+    """Bytes the fullest device holds of a tree of placed arrays (summed over its shards)."""
+    import jax
+
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
+
+
+def fsdp_table(args):
+    import jax
+    import optax
+
+    from jaxpar import mesh as mesh_lib
+    from jaxpar.explain import collective_stats
+
+    config, factory, loss_fn, batch = setup(args)
+    rows = []
+    for spec in args.meshes.split(";"):
+        mesh = jaxpar.make_mesh(spec)
+        trainer = jaxpar.Trainer(factory, loss_fn, optax.adamw(1e-3), mesh, strategy=jaxpar.Sync())
+        state = trainer.init(0)
+        sharded_batch = trainer.shard_batch(batch)
+        inputs = trainer.strategy.plan(trainer._ctx, 0).inputs
+        compiled = trainer._steps["sync"].lower(state, sharded_batch, inputs).compile()
+        stats, ops = collective_stats(compiled), collective_ops(compiled.as_text(), mesh)
+        for kind in FSDP_KINDS:  # the two parsers must agree before the split by axes is trusted
+            mine = (sum(o["kind"] == kind for o in ops), sum(o["bytes"] for o in ops if o["kind"] == kind))
+            assert mine == (stats[kind]["count"], stats[kind]["bytes"]), (spec, kind, mine, stats[kind])
+        n = mesh.shape[mesh_lib.FSDP_AXIS]
+        # P_f = what one fsdp group gathers: N x each fsdp-sharded parameter's shard; `gathered` / `shards`: the
+        # (sorted) shapes of those parameters gathered over fsdp only / of their shards, to recognise them in HLO
+        fsdp_group_bytes, gathered, shards = 0, set(), set()
+        for leaf in jax.tree.leaves(state.params):
+            axes = [(e,) if isinstance(e, str) else tuple(e or ()) for e in leaf.sharding.spec]
+            if any(mesh_lib.FSDP_AXIS in a for a in axes):
+                shard = leaf.sharding.shard_shape(leaf.shape)
+                fsdp_group_bytes += n * leaf.addressable_shards[0].data.nbytes
+                shards.add(tuple(sorted(shard)))
+                gathered.add(tuple(sorted(d * (n if i < len(axes) and mesh_lib.FSDP_AXIS in axes[i] else 1)
+                                          for i, d in enumerate(shard))))
+        on_fsdp = [o for o in ops if o["axes"] == (mesh_lib.FSDP_AXIS,)]
+
+        def param_bytes(kinds, shapes):
+            return sum(b for o in on_fsdp if o["kind"] in kinds for dims, b in o["arrays"] if dims in shapes)
+
+        param_ag = param_bytes({"all-gather"}, gathered)
+        grad_ar, grad_rs = param_bytes({"all-reduce"}, gathered), param_bytes({"reduce-scatter"}, shards)
+        sent = sum(ring_bytes_sent(o) for o in on_fsdp)
+        sent_params = (n - 1) / n * (param_ag + 2 * grad_ar) + (n - 1) * grad_rs
+        breakdown: dict = {}
+        for o in ops:
+            key = (o["kind"], "+".join(o["axes"]) or "-", o["group"])
+            count, size = breakdown.get(key, (0, 0))
+            breakdown[key] = (count + 1, size + o["bytes"])
+        rows.append({
+            "mesh": spec, "fsdp": n, **{f"{k}_count": stats[k]["count"] for k in FSDP_KINDS},
+            **{f"{k}_bytes": stats[k]["bytes"] for k in FSDP_KINDS},
+            "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(state.params)),
+            "param_bytes_per_device": device_bytes(state.params),
+            "param_opt_bytes_per_device": device_bytes((state.params, state.opt_state)),
+            "fsdp_group_param_bytes": fsdp_group_bytes,
+            "fsdp_param_allgather_bytes": param_ag, "fsdp_grad_allreduce_bytes": grad_ar,
+            "fsdp_grad_reducescatter_bytes": grad_rs,
+            "fsdp_sent_per_device": sent, "fsdp_sent_params_grads_per_device": sent_params,
+            "fsdp_theory_sent_per_device": 3 * (n - 1) / n * fsdp_group_bytes,
+            "breakdown": [f"{k} over {a} (g={g}): {c} / {b:,}" for (k, a, g), (c, b) in sorted(breakdown.items())]})
+        rates, state = timed_rates(trainer, state, sharded_batch, args.steps, args.rounds)
+        rows[-1]["steps_per_sec"] = statistics.median(rates)
+        del trainer, state, sharded_batch, compiled
+
+    print(f"{args.model} (dropout 0), Sync() (partitioner's collectives), global batch {args.batch_size}, adamw; "
+          f"total parameter bytes {rows[0]['param_bytes_total']:,} float32; collective n / bytes = count / result "
+          f"bytes per device in the compiled HLO; steps/s = median of {args.rounds} rounds x {args.steps} steps\n")
+    print("| mesh | all-gather | reduce-scatter | all-reduce | collective-permute | all-to-all | params / dev | "
+          "params + opt / dev | P_f | params gathered | grads reduced | sent over fsdp: params+grads / other | "
+          "theory 3(N-1)/N P_f | meas / theory: all (params+grads) | steps/s |")
+    print("|---" * 15 + "|")
+    for r in rows:
+        kinds = " | ".join(f"{r[k + '_count']} / {r[k + '_bytes']:,}" for k in FSDP_KINDS)
+        pf, theory = r["fsdp_group_param_bytes"], r["fsdp_theory_sent_per_device"]
+        passes = (f"{r['fsdp_param_allgather_bytes'] / pf:.2f} x | "
+                  f"{r['fsdp_grad_allreduce_bytes'] / pf:.2f} x AR + "
+                  f"{r['fsdp_grad_reducescatter_bytes'] * r['fsdp'] / pf:.2f} x RS") if pf else "- | -"
+        sent, sent_params = r["fsdp_sent_per_device"], r["fsdp_sent_params_grads_per_device"]
+        ratio = f"{sent / theory:.2f} ({sent_params / theory:.2f})" if theory else "-"
+        print(f"| `{r['mesh']}` | {kinds} | {r['param_bytes_per_device']:,} | {r['param_opt_bytes_per_device']:,} | "
+              f"{pf:,} | {passes} | {sent_params:,.0f} / {sent - sent_params:,.0f} | {theory:,.0f} | {ratio} | "
+              f"{r['steps_per_sec']:.2f} |")
+    print("\nP_f = bytes of the fsdp-sharded parameters per fsdp group (N x their shard on one device); params "
+          "gathered = fsdp all-gathers whose result has a parameter's fsdp-gathered shape, / P_f; grads reduced = "
+          "parameter-shaped all-reduces (full shape) and reduce-scatters (shard shape, x N) over fsdp, / P_f; sent = "
+          "ring bytes per device of every collective over the fsdp axis alone (AG (g-1)/g R, RS (g-1) R, AR "
+          "2(g-1)/g R, all-to-all (g-1)/g R); other = activations. Collectives by kind and the axes they span "
+          "(count / result bytes per device):")
+    for r in rows:
+        print(f"  {r['mesh']}: " + "; ".join(r["breakdown"]))
+    for r in rows:
+        print(json.dumps(r))
 
 if __name__ == "__main__":
     main()

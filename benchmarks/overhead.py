@@ -35,7 +35,7 @@ def main():
     import models
     from jaxpar import data, sharding
 
-    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size)
+    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
     factory, loss_fn, tx = models.factory(config), models.LOSSES[args.model], optax.adamw(1e-3)
     if args.model == "transformer":
         batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), args.batch_size, config.seq_len, 0))

@@ -1,7 +1,10 @@
-"""jaxpar: data- and model-parallel training of Flax NNX models on a JAX device mesh."""
+"""jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh."""
 
+from jaxpar import actions
+from jaxpar.actions import Action, Evaluate, StepEvent
+from jaxpar.collectives import Communicator, communicator
 from jaxpar.config import Config
-from jaxpar.errors import ConfigError, DataError, JaxparError, MeshError, ShardingError
+from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, MeshError, ShardingError
 from jaxpar.linen import from_linen
 from jaxpar.mesh import make_mesh
 from jaxpar.sharding import DEFAULT_RULES
@@ -9,5 +12,6 @@ from jaxpar.step import TrainState
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.trainer import Trainer
 
-__all__ = ["Config", "ConfigError", "DataError", "DEFAULT_RULES", "JaxparError", "MeshError", "ShardingError",
-           "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync", "Trainer", "TrainState", "from_linen", "make_mesh"]
+__all__ = ["Action", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "Evaluate", "FitError",
+           "JaxparError", "MeshError", "ShardingError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
+           "Trainer", "TrainState", "actions", "communicator", "from_linen", "make_mesh"]

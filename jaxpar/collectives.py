@@ -1,4 +1,4 @@
-"""Gradient averaging over the `data` axis, with the allreduce algorithm as a choice.
+"""Gradient averaging over the replica axis, with the allreduce algorithm as a choice (a communicator object).
 
 This is the only module that calls `lax.pmean` / `lax.ppermute` & co, so every byte the trainer sends between
 replicas goes through here and can be compared with `theoretical_traffic` (see `jaxpar.explain`).
@@ -23,10 +23,15 @@ Example (8 CPU devices)::
     from jax.sharding import PartitionSpec as P
     from jaxpar.collectives import allreduce_mean
 
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "data", "ring"),
-                              mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "x", "ring"),
+                              mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     f(jnp.arange(8.0))  # every entry is 3.5
+
+Strategies do not call these functions directly: they hold a `Communicator` (optax-like: `init` for any state it
+keeps, which lives in `TrainState.comm_state`, and `mean` over a manual axis), chosen by name with
+`communicator("ring")`. A stateful algorithm (compression with error feedback) is a new Communicator, not a change
+to any strategy.
 """
 from __future__ import annotations
 
@@ -186,3 +191,53 @@ def allreduce_mean(tree, axis_name: str, algorithm: str = "psum", *, torus_x: in
     if n == 1 or not leaves:
         return tree
     return jax.tree.unflatten(treedef, _fused_mean(leaves, axis_name, n, algorithm, torus))
+
+
+class Communicator:
+    """An averaging algorithm over a manual mesh axis, as an object (optax-like).
+
+    - `init(params) -> state`: any state it keeps (this one keeps none: `()`); stored in `TrainState.comm_state`;
+    - `mean(tree, state, axis_name) -> (tree, state)`: the mean of every leaf over `axis_name`, inside a shard_map
+      body where that axis is manual.
+    """
+
+    def __init__(self, algorithm: str = "psum", torus_x: int | None = None):
+        _check_algorithm(algorithm)
+        if torus_x is not None and algorithm != "torus2d":
+            raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d")
+        self.name, self.torus_x = algorithm, torus_x
+
+    @property
+    def native(self) -> bool:
+        """XLA's own collective: works on global (auto-sharded) arrays without flattening them."""
+        return self.name == "psum"
+
+    def init(self, params):
+        return ()
+
+    def mean(self, tree, state, axis_name: str):
+        return allreduce_mean(tree, axis_name, self.name, torus_x=self.torus_x), state
+
+    def check(self, n: int) -> None:
+        """Refuses a configuration that cannot run over an axis of `n` devices (before anything compiles)."""
+        if self.name == "torus2d":
+            torus_shape(n, self.torus_x)
+
+    def traffic(self, n: int, nbytes: int) -> dict:
+        return theoretical_traffic(self.name, n, nbytes, self.torus_x)
+
+    def __repr__(self):
+        return f"Communicator({self.name!r}" + (f", torus_x={self.torus_x})" if self.torus_x else ")")
+
+
+def check_allreduce(allreduce: str | None, torus_x: int | None) -> None:
+    """Refuses an unknown algorithm name, or --torus without torus2d (None = the compiler's all-reduce)."""
+    if allreduce is not None:
+        _check_algorithm(allreduce)
+    if torus_x is not None and allreduce != "torus2d":
+        raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d")
+
+
+def communicator(name: "str | Communicator" = "psum", torus_x: int | None = None) -> Communicator:
+    """The communicator called `name` (psum, ring, torus2d, ps); a Communicator is returned unchanged."""
+    return name if isinstance(name, Communicator) else Communicator(name, torus_x)

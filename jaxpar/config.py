@@ -1,5 +1,13 @@
-"""The run configuration: one dataclass, one comment per field, and `validate()` that turns every bad value into
-one `ConfigError` line naming the CLI flag, the value and what would work.
+"""The run configuration: every option declared once, as a `Config` field with its metadata.
+
+A field's `option(...)` metadata holds everything else about it: help text, group, its own check, whether it is a
+command-line flag, and which models it applies to (with its default for each). Which strategies an option applies
+to, and its default there, is declared by the strategies themselves (`jaxpar.strategies.REGISTRY`, `OPTIONS`,
+`COMMON_OPTIONS`) and only read here. `jaxpar.flags` generates the CLI from these declarations.
+
+Model- and strategy-specific fields default to None ("not given"); giving one for another model or strategy is a
+`ConfigError`. `resolved()` fills in the defaults that apply. `validate()` turns every bad value into one
+`ConfigError` line naming the flag, the value and what would work.
 
 Presets live in `configs/NAME.py` as `get_config() -> jaxpar.Config`; CLI flags override their fields.
 """
@@ -7,198 +15,409 @@ Presets live in `configs/NAME.py` as `get_config() -> jaxpar.Config`; CLI flags 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import re
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from jaxpar import strategies as strategies_lib
+from jaxpar.collectives import ALLREDUCE_ALGORITHMS
 from jaxpar.errors import ConfigError
-from jaxpar.sharding import DEFAULT_RULES
+from jaxpar.mesh import parse_mesh_spec
+from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+from jaxpar.strategies.simulator import parse_stragglers
+from jaxpar.strategies.sync import check_allreduce
 
 MODELS = ("transformer", "mlp", "cnn")
+PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
 OPTIMIZERS = ("adamw", "sgd", "momentum")
-STRATEGIES = ("sync", "local_sgd", "diloco", "ssp", "asp")
-# Which strategies each strategy-specific field applies to (a flag given for another strategy is an error).
-APPLIES_TO = {
-    "allreduce": STRATEGIES, "torus": STRATEGIES, "stragglers": STRATEGIES,
-    "sync_period": ("local_sgd", "diloco"), "local_after": ("local_sgd", "diloco"),
-    "outer_lr": ("diloco",), "outer_momentum": ("diloco",), "staleness": ("ssp",),
-}
+GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run")
+
+# Read from the strategies, never written here: names, and for each strategy-specific field the strategies it
+# applies to (a field given for another strategy is an error).
+STRATEGIES = tuple(strategies_lib.REGISTRY)
+APPLIES_TO = {name: tuple(s for s, cls in strategies_lib.REGISTRY.items()
+                          if name in strategies_lib.COMMON_OPTIONS or name in cls.OPTIONS)
+              for name in dict.fromkeys([*strategies_lib.COMMON_OPTIONS,
+                                         *(f for cls in strategies_lib.REGISTRY.values() for f in cls.OPTIONS)])}
+
+# A check gets (shown name, value) of a given (not None) value and returns the one-line error, or None if fine
+# (it may also raise a JaxparError itself).
+Check = Callable[[str, Any], "str | None"]
+
+
+def option(help: str, *, group: str, check: Check | tuple[Check, ...] = (), flag: bool = True,
+           models: Mapping[str, Any] | None = None, default_text: str | None = None, why: str | None = None) -> dict:
+    """Metadata of one Config field.
+
+    help: the flag's help text (without the default, which is added from the declaration);
+    group: which concern it belongs to (one of GROUPS; --help lists flags by group);
+    check: its own range/format check(s), run on a given value;
+    flag: False for config-file-only fields;
+    models: the models it applies to -> its default for each (None: every model); a callable default gets the
+        config and returns the value;
+    default_text: how --help states a default that is not a plain value;
+    why: a hint added to the "does not apply" error.
+    """
+    assert group in GROUPS, group
+    return {"help": help, "group": group, "checks": check if isinstance(check, tuple) else (check,), "flag": flag,
+            "models": dict(models) if models is not None else None, "default_text": default_text, "why": why}
+
+
+# --- checks ---------------------------------------------------------------------------------------------------
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def at_least(low: int) -> Check:
+    return lambda name, v: None if _is_int(v) and v >= low else f"{name} {v!r}: must be an integer >= {low}"
+
+
+def within(test: Callable[[Any], bool], text: str) -> Check:
+    return lambda name, v: None if test(v) else f"{name} {v!r}: {text}"
+
+
+def one_of(choices, noun: str | None = None) -> Check:
+    listed = ", ".join(choices)
+    if noun:
+        return lambda name, v: None if v in choices else f"{name} {v!r} is not a {noun}; choose one of {listed}"
+    return lambda name, v: None if v in choices else f"{name} {v!r}: choose one of {listed}"
+
+
+def parses(parse: Callable[[Any], Any]) -> Check:
+    """A check by a parser that raises a JaxparError naming the flag itself."""
+    def check(name, value):
+        parse(value)
+
+    return check
+
+
+def _rules_check(name, rules):
+    def axes_ok(target):
+        return target is None or isinstance(target, str) or (
+            isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target))
+
+    if isinstance(rules, Mapping):
+        ok = all(isinstance(k, str) and axes_ok(v) for k, v in rules.items())
+    else:
+        ok = isinstance(rules, (list, tuple)) and all(
+            isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str) and axes_ok(pair[1])
+            for pair in rules)
+    if not ok:
+        return (f"{name} {rules!r}: must map logical axis names to a mesh axis name, a tuple of them, or None (a dict,"
+                f" or a Flax-style list of (logical name, mesh axis) pairs)")
+
+
+def _channels_check(name, value):
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(_is_int(c) and c >= 1 for c in value)):
+        return f"{name} {value!r}: must be two positive integers, e.g. (16, 32)"
+
+
+def _metrics_check(name, path):
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{name} {path!r}: folder {parent!r} does not exist"
+    if os.path.isdir(path) or not os.access(parent, os.W_OK):
+        return f"{name} {path!r}: not a writable file path; pass e.g. run.jsonl"
+
+
+def _bn_default(config) -> str:
+    """BatchNorm statistics follow the strategy: local when replicas compute on their own slice."""
+    return "local" if strategies_lib.from_config(config).local_statistics else "sync"
 
 
 @dataclass
 class Config:
-    # --- run ---
-    model: str = "transformer"  # which built-in model (models/): transformer | mlp | cnn
-    mesh: str = "2x4"  # device mesh: "8", "2x4" (data x model) or "data=2,model=4"
-    steps: int = 300  # number of optimizer updates
-    batch_size: int = 32  # global batch size, split evenly over the data axis
-    lr: float = 3e-3  # peak learning rate
-    optimizer: str = "adamw"  # adamw | sgd | momentum (SGD with momentum 0.9, as in Goyal et al.)
-    weight_decay: float = 0.0  # decoupled weight decay (adamw) or L2 added to the gradient (sgd / momentum)
-    seed: int = 0  # initialisation, data order and dropout; same seed -> same run on every mesh
-    data: str | None = None  # text file or folder for the transformer; None = the default corpus
-    metrics: str | None = None  # JSONL file: one object per logged step
-    log_every: int = 10  # print and log every this many steps
-    eval_batches: int = 4  # held-out batches evaluated at the end of training
-    rules: dict = field(default_factory=lambda: dict(DEFAULT_RULES))  # logical axis -> mesh axis (None = replicate)
-    # --- update strategy (None = not given: the strategy's default) ---
-    strategy: str = "sync"  # how replicas agree: sync | local_sgd | diloco | ssp | asp
-    allreduce: str | None = None  # psum | ring | torus2d | ps; None: the partitioner's all-reduce (sync), psum (others)
-    torus: int | None = None  # X of the X x Y torus2d grid; None: the divisor of the data-axis size nearest its sqrt
-    sync_period: int | None = None  # local_sgd / diloco: local steps between meetings (default 4)
-    local_after: int | None = None  # local_sgd / diloco: synchronous steps before going local (default 0)
-    outer_lr: float | None = None  # diloco: outer Nesterov SGD learning rate (default 0.7)
-    outer_momentum: float | None = None  # diloco: outer momentum (default 0.9)
-    staleness: int | None = None  # ssp: largest staleness S of an applied gradient (default 2; 0 = BSP)
-    stragglers: str | None = None  # simulated worker speeds, e.g. "3:2.0" (replica 3 2x slower), ",jitter=0.1"
+    # --- mesh ---
+    mesh: str = field(default="2x4", metadata=option(
+        "device mesh, axes data x fsdp x model: '8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model), or "
+        "named, e.g. 'data=2,fsdp=2,model=2' or 'fsdp=8' (absent axes have size 1); -1 in one place = all remaining "
+        "devices. On a CPU-only machine the needed CPU devices are created", group="mesh",
+        check=parses(parse_mesh_spec)))
+    rules: dict | list | None = field(default=None, metadata=option(
+        "logical axis -> mesh axis rules: a dict, or a Flax-style list of (logical name, mesh axis) pairs; None = "
+        "jaxpar.DEFAULT_RULES with automatic FSDP placement", group="mesh", flag=False, check=_rules_check))
+    # --- model ---
+    model: str = field(default="transformer", metadata=option(
+        f"built-in model: {' | '.join(MODELS)} (transformer: byte-level LM; mlp, cnn: digits classifiers)",
+        group="architecture",         check=one_of(MODELS, noun="model")))  # [not a mesh axis]
+    dtype: str = field(default="float32", metadata=option(
+        "compute dtype float32 | bfloat16 (parameters and optimizer state stay float32)", group="architecture",
+        check=one_of(("float32", "bfloat16"))))
+    dropout: float = field(default=0.1, metadata=option(
+        "dropout rate of the model", group="architecture", check=within(lambda v: 0 <= v < 1, "must be in [0, 1)")))
+    layers: int | None = field(default=None, metadata=option(
+        "transformer blocks", group="architecture", models={"transformer": 2}, check=at_least(1)))
+    d_model: int | None = field(default=None, metadata=option(
+        "width of the residual stream", group="architecture", models={"transformer": 128}, check=at_least(1)))
+    heads: int | None = field(default=None, metadata=option(
+        "attention heads; must divide --d-model, and divide by the model-axis size", group="architecture",
+        models={"transformer": 4}, check=at_least(1)))
+    d_ff: int | None = field(default=None, metadata=option(
+        "transformer MLP width; must divide by the model-axis size", group="architecture", models={"transformer": 512},
+        check=at_least(1)))
+    seq_len: int | None = field(default=None, metadata=option(
+        "bytes (tokens) per training sequence", group="architecture", models={"transformer": 128}, check=at_least(2)))
+    vocab: int | None = field(default=None, metadata=option(
+        "vocabulary size, >= 256 for bytes; must divide by the model-axis size", group="architecture",
+        models={"transformer": 256},
+        check=(at_least(2), within(lambda v: v >= 256, "byte-level text needs a vocabulary of at least 256"))))
+    hidden: int | None = field(default=None, metadata=option(
+        "MLP hidden width", group="architecture", models={"mlp": 128}, check=at_least(1)))
+    channels: tuple[int, int] | None = field(default=None, metadata=option(
+        "CNN channels of its two conv layers", group="architecture", flag=False, models={"cnn": (16, 32)},
+        check=_channels_check))
+    bn: str | None = field(default=None, metadata=option(
+        "BatchNorm statistics: sync (over the global batch) | local (each replica's slice)", group="architecture",
+        models={"cnn": _bn_default}, check=one_of(("sync", "local")), why="only the cnn has BatchNorm",
+        default_text="sync, or local under a strategy whose replicas compute on their own slice"))
+    # --- data ---
+    data: str | None = field(default=None, metadata=option(
+        "text file or folder to train on", group="dataset", models={"transformer": None},
+        default_text="the Python standard library's .py files", why="mlp and cnn train on the built-in digits dataset"))
+    batch_size: int = field(default=32, metadata=option(
+        "GLOBAL batch size, split evenly over the batch axes (data x fsdp)", group="dataset", check=at_least(1)))
+    # --- optimizer ---
+    optimizer: str = field(default="adamw", metadata=option(
+        f"{' | '.join(OPTIMIZERS)} (momentum: SGD with momentum 0.9, as in Goyal et al.)", group="optimizer",
+        check=one_of(OPTIMIZERS)))
+    lr: float = field(default=3e-3, metadata=option(
+        "peak learning rate", group="optimizer", check=within(lambda v: v > 0, "must be > 0, e.g. --lr 1e-3")))
+    weight_decay: float = field(default=0.0, metadata=option(
+        "decoupled weight decay (adamw) or L2 added to the gradient (sgd / momentum)", group="optimizer",
+        check=within(lambda v: v >= 0, "must be >= 0")))
+    lr_schedule: str = field(default="constant", metadata=option(
+        f"{' | '.join(LR_SCHEDULES)}, after warmup", group="optimizer", check=one_of(LR_SCHEDULES)))
+    warmup_steps: int = field(default=0, metadata=option(
+        "gradual linear warmup from lr/W to lr over the first W steps", group="optimizer", check=at_least(0)))
+    lr_decay_steps: str | None = field(default=None, metadata=option(
+        "step schedule: comma-separated decay steps", group="optimizer",
+        check=parses(lambda text: parse_decay_steps(text)),
+        default_text="50% and 75% of --steps"))
+    lr_decay_factor: float = field(default=0.1, metadata=option(
+        "step schedule: lr multiplier at each decay step", group="optimizer",
+        check=within(lambda v: 0 < v <= 1, "must be in (0, 1], e.g. 0.1")))
+    # --- update strategy (which strategies an option applies to, and its default there: jaxpar.strategies) ---
+    strategy: str = field(default="sync", metadata=option(
+        f"how replicas agree: {' | '.join(STRATEGIES)}", group="strategy", check=one_of(STRATEGIES, noun="strategy")))
+    allreduce: str | None = field(default=None, metadata=option(
+        f"gradient/parameter averaging: {' | '.join(ALLREDUCE_ALGORITHMS)}", group="strategy", 
+        check=parses(lambda value: check_allreduce(value, None)),
+        default_text="XLA's partitioner for sync, psum otherwise"))
+    torus: int | None = field(default=None, metadata=option(
+        "torus2d: X of the X x Y grid over the data axis", group="strategy", check=at_least(1),
+        default_text="the divisor of the data-axis size nearest its square root"))
+    sync_period: int | None = field(default=None, metadata=option(
+        "local steps between meetings H", group="strategy", check=at_least(1)))
+    local_after: int | None = field(default=None, metadata=option(
+        "post-local SGD: synchronous for the first K steps", group="strategy", check=at_least(0)))
+    outer_lr: float | None = field(default=None, metadata=option(
+        "outer Nesterov SGD learning rate", group="strategy",
+        check=within(lambda v: v > 0, "must be > 0, e.g. --outer-lr 0.7")))
+    outer_momentum: float | None = field(default=None, metadata=option(
+        "outer momentum", group="strategy", check=within(lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.9")))
+    staleness: int | None = field(default=None, metadata=option(
+        "largest staleness S of an applied gradient (0 = BSP)", group="strategy", check=at_least(0)))
+    stragglers: str | None = field(default=None, metadata=option(
+        "simulated worker speeds: '3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded log-normal jitter "
+        "(sets sim_time in the metrics)", group="strategy", check=parses(parse_stragglers), default_text="nobody slow"))
     # --- large-batch toolkit ---
-    eval_every: int = 0  # evaluate on the held-out split every N steps (0: only at the end)
-    lr_scaling: str = "none"  # none | linear | sqrt: lr x (global batch / base_batch_size) or its square root
-    base_batch_size: int | None = None  # the batch size `lr` was tuned for (default: the first global batch size)
-    warmup_steps: int = 0  # linear warmup from lr/W to lr over the first W steps
-    lr_schedule: str = "constant"  # constant | cosine | step (after warmup)
-    lr_decay_steps: str | None = None  # step schedule: comma-separated steps (default: 50% and 75% of --steps)
-    lr_decay_factor: float = 0.1  # step schedule: multiply lr by this at each decay step
-    batch_ramp: str | None = None  # progressive global batch "SIZE:FROM_STEP,...", e.g. "32:0,64:100"; replaces batch_size
-    label_smoothing: float = 0.0  # classification / LM targets (1 - eps) one-hot + eps / classes
-    grad_accum: int = 1  # microbatches per update; must divide the per-replica batch
-    bn: str | None = None  # BatchNorm statistics: sync (global batch) | local (each data shard); cnn only
-    dtype: str = "float32"  # compute dtype: float32 | bfloat16 (parameters and optimizer state stay float32)
-    # --- transformer ---
-    layers: int = 2  # transformer blocks
-    d_model: int = 128  # width of the residual stream
-    heads: int = 4  # attention heads (must divide by the model-axis size)
-    d_ff: int = 512  # MLP hidden width (must divide by the model-axis size)
-    seq_len: int = 128  # tokens (bytes) per training sequence
-    vocab: int = 256  # byte-level vocabulary (must divide by the model-axis size)
-    dropout: float = 0.1  # dropout rate of every model
-    # --- mlp / cnn ---
-    hidden: int = 128  # MLP hidden width
-    channels: tuple[int, int] = (16, 32)  # CNN channels of its two conv layers
+    lr_scaling: str = field(default="none", metadata=option(
+        f"{' | '.join(LR_SCALINGS)}: lr x (global batch / --base-batch-size) or its square root", group="large batch",
+        check=one_of(LR_SCALINGS)))
+    base_batch_size: int | None = field(default=None, metadata=option(
+        "the batch size --lr was tuned for", group="large batch", check=at_least(1),
+        default_text="the first global batch size"))
+    batch_ramp: str | None = field(default=None, metadata=option(
+        "progressive global batch 'SIZE:FROM_STEP,...', e.g. '32:0,64:100' (replaces --batch-size; one compilation "
+        "per size; lr follows --lr-scaling)", group="large batch", check=parses(parse_batch_ramp)))
+    grad_accum: int = field(default=1, metadata=option(
+        "K microbatches per update (same update as the full batch); must divide the per-replica batch",
+        group="large batch", check=at_least(1)))
+    label_smoothing: float = field(default=0.0, metadata=option(
+        "label smoothing eps: targets (1 - eps) one-hot + eps / classes, for classification and LM losses",
+        group="large batch", check=within(lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.1")))
+    # --- run ---
+    steps: int = field(default=300, metadata=option("number of optimizer updates", group="run", check=at_least(1)))
+    seed: int = field(default=0, metadata=option(
+        "seed of initialisation, data order and dropout; same seed -> same run on any mesh", group="run",
+        check=within(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)")))
+    log_every: int = field(default=10, metadata=option(
+        "print and log every K steps", group="run", check=at_least(1)))
+    metrics: str | None = field(default=None, metadata=option(
+        "write one JSON object per logged step (step, loss, samples_per_sec, ...) to this .jsonl file", group="run",
+        check=_metrics_check))
+    eval_every: int = field(default=0, metadata=option(
+        "evaluate on the held-out split every N steps (0: only at the end)", group="run", check=at_least(0)))
+    eval_batches: int = field(default=4, metadata=option(
+        "held-out batches per evaluation (text; digits: the whole test split)", group="run", check=at_least(0)))
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
+    # --- what applies, and defaults -------------------------------------------------------------------------------
+    def applies(self, name: str) -> bool:
+        """Whether field `name` applies to this config's model and strategy."""
+        models = OPTIONS[name]["models"]
+        if models is not None and self.model not in models:
+            return False
+        return name not in APPLIES_TO or self.strategy in APPLIES_TO[name]
+
+    def resolved(self) -> "Config":
+        """A copy with every unset (None) field that applies replaced by its declared default; fields that do not
+        apply stay None. Strategy options take the strategy's own defaults."""
+        changes = {}
+        for name, meta in OPTIONS.items():
+            if getattr(self, name) is None and self.applies(name):
+                if meta["models"] is not None:
+                    changes[name] = meta["models"][self.model]
+                elif name in APPLIES_TO:
+                    changes[name] = strategies_lib.option_default(self.strategy, name)
+        out = dataclasses.replace(self, **{k: v for k, v in changes.items() if not callable(v)})
+        derived = {k: v(out) for k, v in changes.items() if callable(v)}  # defaults computed from the rest
+        return dataclasses.replace(out, **derived) if derived else out
+
+    # --- validation -----------------------------------------------------------------------------------------------
     def validate(self) -> "Config":
         self._validate_types()
-        if self.model not in MODELS:
-            raise ConfigError(f"--model {self.model!r} is not a model; choose one of {', '.join(MODELS)}")
-        for flag, value, low in (("--steps", self.steps, 1), ("--batch-size", self.batch_size, 1),
-                                 ("--log-every", self.log_every, 1), ("--layers", self.layers, 1),
-                                 ("--d-model", self.d_model, 1), ("--heads", self.heads, 1), ("--d-ff", self.d_ff, 1),
-                                 ("--seq-len", self.seq_len, 2), ("--vocab", self.vocab, 2), ("--hidden", self.hidden, 1),
-                                 ("--eval-batches", self.eval_batches, 0), ("--seed", self.seed, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr {self.lr!r}: must be > 0, e.g. --lr 1e-3")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay {self.weight_decay!r}: must be >= 0")
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"--dropout {self.dropout!r}: must be in [0, 1)")
-        if self.model == "transformer" and self.d_model % self.heads:
-            raise ConfigError(f"--d-model {self.d_model} does not divide by --heads {self.heads}; "
-                              f"choose d_model a multiple of heads")
-        if self.model == "transformer" and self.vocab < 256:
-            raise ConfigError(f"--vocab {self.vocab}: byte-level text needs a vocabulary of at least 256")
-        self._validate_strategy()
-        self._validate_large_batch()
-        if self.metrics is not None:
-            parent = os.path.dirname(os.path.abspath(self.metrics))
-            if not os.path.isdir(parent):
-                raise ConfigError(f"--metrics {self.metrics!r}: folder {parent!r} does not exist")
-            if os.path.isdir(self.metrics) or not os.access(parent, os.W_OK):
-                raise ConfigError(f"--metrics {self.metrics!r}: not a writable file path; pass e.g. run.jsonl")
+        for name in PRIMARY:  # what the others apply to
+            self._check(name)
+        for name, meta in OPTIONS.items():
+            value = getattr(self, name)
+            if value is None or self.applies(name):
+                continue
+            if meta["models"] is not None and self.model not in meta["models"]:
+                why = f" ({meta['why']})" if meta["why"] else ""
+                raise ConfigError(f"{shown(name)} {value!r} does not apply to --model {self.model}; it applies to "
+                                  f"{' / '.join(meta['models'])}{why}")
+            raise ConfigError(f"{shown(name)} {value!r} does not apply to --strategy {self.strategy}; it applies to "
+                              f"{' / '.join(APPLIES_TO[name])}")
+        for name in OPTIONS:
+            if name not in PRIMARY and getattr(self, name) is not None:
+                self._check(name)
+        self._validate_combinations(self.resolved())
         return self
 
+    def _check(self, name: str) -> None:
+        for check in OPTIONS[name]["checks"]:
+            message = check(shown(name), getattr(self, name))
+            if message:
+                raise ConfigError(message)
 
     def _validate_types(self) -> None:
         """Config files can hold anything: wrong types fail here, in one line, not deep inside JAX."""
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), f.type
-            flag = "--" + f.name.replace("_", "-")
             if value is None and "None" in kind:
                 continue
-            if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"{flag} {value!r}: must be an integer")
+            if kind.startswith("int") and not _is_int(value):
+                raise ConfigError(f"{shown(f.name)} {value!r}: must be an integer")
             if kind.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ConfigError(f"{flag} {value!r}: must be a number")
+                raise ConfigError(f"{shown(f.name)} {value!r}: must be a number")
             if kind.startswith("str") and not isinstance(value, str):
-                raise ConfigError(f"{flag} {value!r}: must be a string")
-        if not isinstance(self.rules, dict) or not all(
-                isinstance(k, str) and (v is None or isinstance(v, str) or
-                                        (isinstance(v, tuple) and all(isinstance(a, str) for a in v)))
-                for k, v in self.rules.items()):
-            raise ConfigError(f"rules {self.rules!r}: must map logical axis names to a mesh axis name, a tuple of "
-                              f"them, or None")
-        if not (isinstance(self.channels, (tuple, list)) and len(self.channels) == 2 and
-                all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in self.channels)):
-            raise ConfigError(f"channels {self.channels!r}: must be two positive integers, e.g. (16, 32)")
-        if not 0 <= self.seed < 2 ** 32:
-            raise ConfigError(f"--seed {self.seed}: must be in [0, 2**32)")
+                raise ConfigError(f"{shown(f.name)} {value!r}: must be a string")
 
-    def _validate_strategy(self) -> None:
-        from jaxpar.strategies.simulator import parse_stragglers
-        from jaxpar.strategies.sync import check_allreduce
-
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"--strategy {self.strategy!r} is not a strategy; choose one of {', '.join(STRATEGIES)}")
-        for name, strategies in APPLIES_TO.items():
-            if getattr(self, name) is not None and self.strategy not in strategies:
-                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r} does not apply to --strategy "
-                                  f"{self.strategy}; it applies to {' / '.join(strategies)}")
-        check_allreduce(self.allreduce, self.torus)
-        for flag, value, low in (("--torus", self.torus, 1), ("--sync-period", self.sync_period, 1),
-                                 ("--local-after", self.local_after, 0), ("--staleness", self.staleness, 0)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
-        if self.outer_lr is not None and not self.outer_lr > 0:
-            raise ConfigError(f"--outer-lr {self.outer_lr!r}: must be > 0, e.g. --outer-lr 0.7")
-        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"--outer-momentum {self.outer_momentum!r}: must be in [0, 1), e.g. 0.9")
-        parse_stragglers(self.stragglers)
-
-
-    def _validate_large_batch(self) -> None:
-        from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
-
-        for flag, value, low in (("--eval-every", self.eval_every, 0), ("--warmup-steps", self.warmup_steps, 0),
-                                 ("--grad-accum", self.grad_accum, 1), ("--base-batch-size", self.base_batch_size, 1)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ConfigError(f"{flag} {value!r}: must be an integer >= {low}")
-        for flag, value, choices in (("--lr-scaling", self.lr_scaling, LR_SCALINGS),
-                                     ("--lr-schedule", self.lr_schedule, LR_SCHEDULES),
-                                     ("--dtype", self.dtype, ("float32", "bfloat16")),
-                                     ("--bn", self.bn, ("sync", "local", None))):
-            if value not in choices:
-                raise ConfigError(f"{flag} {value!r}: choose one of {', '.join(c for c in choices if c)}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"--label-smoothing {self.label_smoothing!r}: must be in [0, 1), e.g. 0.1")
-        if not 0 < self.lr_decay_factor <= 1:
-            raise ConfigError(f"--lr-decay-factor {self.lr_decay_factor!r}: must be in (0, 1], e.g. 0.1")
-        if self.lr_decay_steps is not None:
-            if self.lr_schedule != "step":
-                raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {self.lr_schedule})")
-            self.decay_steps()
-        if self.bn is not None and self.model != "cnn":
-            raise ConfigError(f"--bn {self.bn}: the {self.model} model has no BatchNorm; --bn applies to --model cnn")
-        if self.bn == "sync" and (self.strategy != "sync" or self.allreduce is not None):
+    @staticmethod
+    def _validate_combinations(config: "Config") -> None:
+        """Checks across fields, on the resolved config."""
+        if config.model == "transformer" and config.d_model % config.heads:
+            raise ConfigError(f"--d-model {config.d_model} does not divide by --heads {config.heads}; "
+                              f"choose d_model a multiple of heads")
+        check_allreduce(config.allreduce, config.torus)
+        if config.lr_decay_steps is not None and config.lr_schedule != "step":
+            raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
+        if config.bn == "sync" and strategies_lib.from_config(config).local_statistics:
             raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
                               "normalise each replica's slice (use --bn local)")
-        if self.batch_ramp is not None:
-            parse_batch_ramp(self.batch_ramp)
 
     def decay_steps(self) -> tuple[int, ...] | None:
-        if self.lr_decay_steps is None:
-            return None
-        parts = [p.strip() for p in str(self.lr_decay_steps).split(",")]
-        if not all(re.fullmatch(r"[0-9]+", p) for p in parts) or [int(p) for p in parts] != sorted({int(p) for p in parts}):
-            raise ConfigError(f"--lr-decay-steps {self.lr_decay_steps!r}: must be increasing step numbers, "
-                              f"e.g. 1000,2000")
-        return tuple(int(p) for p in parts)
+        return None if self.lr_decay_steps is None else parse_decay_steps(self.lr_decay_steps)
+
+    # --- records --------------------------------------------------------------------------------------------------
+    def to_record(self) -> dict:
+        """The full resolved config as a JSON-serialisable dict, plus {"versions": {package: version}}."""
+        resolved = self.resolved()
+        record = {f.name: _jsonable(getattr(resolved, f.name)) for f in dataclasses.fields(self)}
+        record["versions"] = versions()
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping) -> "Config":
+        """The Config of a `to_record()` dict (its "versions" and any unknown keys are ignored)."""
+        values = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record}
+        if isinstance(values.get("channels"), list):
+            values["channels"] = tuple(values["channels"])
+        if isinstance(values.get("rules"), list):
+            values["rules"] = [(name, tuple(t) if isinstance(t, list) else t) for name, t in values["rules"]]
+        elif isinstance(values.get("rules"), dict):
+            values["rules"] = {k: tuple(t) if isinstance(t, list) else t for k, t in values["rules"].items()}
+        return cls(**values)
+
+
+OPTIONS: dict[str, dict] = {f.name: f.metadata for f in dataclasses.fields(Config)}  # field name -> option(...)
+MODEL_DEFAULTS: dict[str, dict] = {model: {name: meta["models"][model] for name, meta in OPTIONS.items()
+                                           if meta["models"] is not None and model in meta["models"]}
+                                   for model in MODELS}  # the per-model table, read from the declarations
+
+
+def shown(name: str) -> str:
+    """How errors name a field: its flag, or the bare field name for config-file-only fields."""
+    return "--" + name.replace("_", "-") if OPTIONS[name]["flag"] else name
+
+
+def describe(name: str) -> str:
+    """The full help text of a field: its declared help, what it applies to and its default."""
+    meta, default = OPTIONS[name], Config.__dataclass_fields__[name].default
+    notes = []
+    if meta["models"] is not None:
+        notes.append(f"{' / '.join(meta['models'])} only")
+    if name in APPLIES_TO and len(APPLIES_TO[name]) < len(STRATEGIES):
+        notes.append(f"--strategy {' / '.join(APPLIES_TO[name])} only")
+    if meta["default_text"] is not None:
+        notes.append(f"default: {meta['default_text']}")
+    elif name in APPLIES_TO:  # the strategies' own defaults
+        by_value: dict[Any, list[str]] = {}
+        for strategy in APPLIES_TO[name]:
+            by_value.setdefault(strategies_lib.option_default(strategy, name), []).append(strategy)
+        notes.append("default: " + (f"{next(iter(by_value))}" if len(by_value) == 1 else
+                                    ", ".join(f"{v} for {' / '.join(s)}" for v, s in by_value.items())))
+    elif meta["models"] is not None:
+        values = set(map(repr, meta["models"].values()))
+        notes.append("default: " + (next(iter(meta["models"].values())).__str__() if len(values) == 1 else
+                                    ", ".join(f"{v} for {m}" for m, v in meta["models"].items())))
+    elif default is not None:
+        notes.append(f"default: {default}")
+    return meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def parse_decay_steps(text) -> tuple[int, ...]:
+    parts = [p.strip() for p in str(text).split(",")]
+    if not all(re.fullmatch(r"[0-9]+", p) for p in parts) or [int(p) for p in parts] != sorted({int(p) for p in parts}):
+        raise ConfigError(f"--lr-decay-steps {text!r}: must be increasing step numbers, e.g. 1000,2000")
+    return tuple(int(p) for p in parts)
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of jaxpar and the libraries a run's numbers depend on."""
+    out = {}
+    for package in ("jaxpar", "jax", "flax", "optax"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = getattr(sys.modules.get(package), "__version__", None)
+    return out
+
+
+def _jsonable(value):
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def load_config_file(path: str) -> Config:

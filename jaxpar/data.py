@@ -3,7 +3,8 @@
 Sources (random access by example index, never downloaded):
 - digits: scikit-learn's 1,797 8x8 handwritten digits (bundled with the package), split 1,497 train / 300 test.
 - text: bytes of a text file or a folder of text files (`--data`), or by default the Python standard library's
-  `.py` files in sorted order; cut into windows of seq_len + 1 bytes, split train / validation.
+  `.py` files in sorted order; split train / validation by interleaved blocks (every 20th held out), each part cut
+  into windows of seq_len + 1 bytes.
 - synthetic: seeded random images or tokens of any size, for benchmarks.
 
 `Batches` draws example indices from grain's shuffled, endlessly repeated index stream (a new permutation every
@@ -27,6 +28,7 @@ from jaxpar.errors import DataError
 
 DIGITS_TEST_SIZE = 300
 DEFAULT_CORPUS_BYTES = 4 << 20  # enough text for thousands of steps of the default model
+TEXT_BLOCK_BYTES = 4096  # target size of the interleaved train / validation blocks of split_text
 
 
 # --- sources -----------------------------------------------------------------------------------------------------
@@ -128,9 +130,37 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) ->
     return tokens
 
 
-def split_text(tokens: np.ndarray, validation_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    cut = int(len(tokens) * (1 - validation_fraction))
-    return tokens[:cut], tokens[cut:]
+def text_block_size(length: int, seq_len: int = 128, period: int = 20) -> int:
+    """Bytes per block of `split_text`: a multiple of seq_len, about TEXT_BLOCK_BYTES, never below two windows, and
+    small enough that a corpus of `length` bytes has at least `period` blocks when it can."""
+    windows = max(2, min(max(TEXT_BLOCK_BYTES // seq_len, 1), length // (period * seq_len)))
+    return windows * seq_len
+
+
+def split_text(tokens: np.ndarray, validation_fraction: float = 0.05,
+               seq_len: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) tokens: the corpus cut into blocks of `text_block_size` bytes; with period =
+    round(1 / validation_fraction), block k is held out when k % period == period // 2, the rest are training.
+
+    Why interleaved blocks: the default corpus is the standard library in sorted path order, so its tail (the last
+    files alphabetically) is different text from the rest; every 20th block samples the whole corpus evenly (about
+    50 validation blocks of 4 KiB in the default 4 MiB), so held-out loss estimates the loss on the training
+    distribution. Blocks, not whole files, because `--data` may be a single file, the realised fraction stays
+    1 / period whatever the file sizes, and a 5 KiB corpus still gets a held-out block. The price: a validation
+    block's neighbours (often the same source file) are training text, so held-out loss measures generalisation to
+    unseen passages of seen files, not to unseen files.
+
+    Each part is its blocks concatenated in order; no byte is in both and together they are the whole corpus.
+    Blocks are multiples of seq_len, so with the run's seq_len each window `TextWindows` cuts from a part has its
+    inputs inside one block and only its last target byte may come from the next block of the same part; whatever
+    seq_len, no window mixes the parts. The split is a pure function of (len(tokens), validation_fraction, seq_len).
+    """
+    if not 0 < validation_fraction <= 0.5:
+        raise ValueError(f"validation_fraction {validation_fraction}: must be in (0, 0.5]")
+    period = round(1 / validation_fraction)
+    block = text_block_size(len(tokens), seq_len, period)
+    held_out = (np.arange(len(tokens)) // block) % period == period // 2
+    return tokens[~held_out], tokens[held_out]
 
 
 # --- batches -----------------------------------------------------------------------------------------------------

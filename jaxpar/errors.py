@@ -26,3 +26,15 @@ class DataError(JaxparError):
 
 class TrainingDiverged(JaxparError):
     """The loss became NaN or infinite: reported as one line, like a bad flag."""
+
+
+class FitError(JaxparError):
+    """`Trainer.fit` stopped early: the batch iterator ran out, a step was refused or an action raised.
+
+    `.state` is the train state after `.step` updates (never donated, so training can go on from it); the original
+    exception, if any, is `__cause__`.
+    """
+
+    def __init__(self, message: str, state=None, step: int | None = None):
+        super().__init__(message)
+        self.state, self.step = state, step

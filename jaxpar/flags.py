@@ -1,50 +1,53 @@
-"""The command-line flags of run.py; each overrides the same-named `jaxpar.Config` field."""
+"""The command-line flags of run.py, generated from `jaxpar.Config`'s field declarations (never written by hand).
 
-# (flag, type, help); every flag overrides the same-named Config field (dashes -> underscores).
-FLAGS = [
-    ("--mesh", str, "device mesh: '8' (data only), '2x4' (data x model) or 'data=2,model=4'; -1 = all remaining "
-                    "devices. On a CPU-only machine the needed CPU devices are created (default 2x4)"),
-    ("--model", str, "built-in model: transformer (byte-level LM), mlp or cnn (digits classifiers; default transformer)"),
-    ("--steps", int, "number of optimizer updates (default 300)"),
-    ("--batch-size", int, "GLOBAL batch size, split evenly over the data axis (default 32)"),
-    ("--lr", float, "peak learning rate (default 3e-3)"),
-    ("--optimizer", str, "adamw | sgd | momentum (SGD with momentum 0.9) (default adamw)"),
-    ("--seed", int, "seed of initialisation, data order and dropout; same seed -> same run on any mesh (default 0)"),
-    ("--data", str, "text file or folder for the transformer (default: the Python standard library's .py files)"),
-    ("--metrics", str, "write one JSON object per logged step (step, loss, samples_per_sec, ...) to this .jsonl file"),
-    ("--log-every", int, "print and log every K steps (default 10)"),
-    ("--weight-decay", float, "decoupled weight decay (adamw) or L2 (sgd / momentum) (default 0)"),
-    ("--eval-batches", int, "held-out text batches per evaluation (default 4; digits: the whole test split)"),
-    ("--layers", int, "transformer blocks (default 2)"),
-    ("--d-model", int, "transformer width (default 128)"),
-    ("--heads", int, "attention heads; must divide by the model-axis size (default 4)"),
-    ("--d-ff", int, "transformer MLP width; must divide by the model-axis size (default 512)"),
-    ("--seq-len", int, "bytes per training sequence (default 128)"),
-    ("--vocab", int, "vocabulary size, >= 256 for bytes; must divide by the model-axis size (default 256)"),
-    ("--hidden", int, "MLP hidden width (default 128)"),
-    ("--dropout", float, "dropout rate of the model (default 0.1)"),
-    ("--strategy", str, "how replicas agree: sync | local_sgd | diloco | ssp | asp (default sync)"),
-    ("--allreduce", str, "gradient/parameter averaging: psum | ring | torus2d | ps (default: XLA's partitioner for "
-                         "sync, psum otherwise)"),
-    ("--torus", int, "torus2d: X of the X x Y grid over the data axis (default: divisor nearest sqrt)"),
-    ("--sync-period", int, "local_sgd/diloco: local steps between meetings H (default 4)"),
-    ("--local-after", int, "local_sgd/diloco: post-local SGD, synchronous for the first K steps (default 0)"),
-    ("--outer-lr", float, "diloco: outer Nesterov SGD learning rate (default 0.7)"),
-    ("--outer-momentum", float, "diloco: outer momentum (default 0.9)"),
-    ("--staleness", int, "ssp: largest staleness S of an applied gradient (default 2; 0 = BSP)"),
-    ("--eval-every", int, "evaluate on the held-out split every N steps (default 0: only at the end)"),
-    ("--lr-scaling", str, "none | linear | sqrt: lr x (global batch / --base-batch-size) or its square root"),
-    ("--base-batch-size", int, "the batch size --lr was tuned for (default: the first global batch size)"),
-    ("--warmup-steps", int, "gradual linear warmup over the first W steps (default 0)"),
-    ("--lr-schedule", str, "constant | cosine | step, after warmup (default constant)"),
-    ("--lr-decay-steps", str, "step schedule: comma-separated decay steps (default: 50%% and 75%% of --steps)"),
-    ("--lr-decay-factor", float, "step schedule: lr multiplier at each decay step (default 0.1)"),
-    ("--batch-ramp", str, "progressive global batch 'SIZE:FROM_STEP,...', e.g. '32:0,64:100' (replaces --batch-size;"
-                          " one compilation per size; lr follows --lr-scaling)"),
-    ("--label-smoothing", float, "label smoothing eps in [0, 1) for classification and LM losses (default 0)"),
-    ("--grad-accum", int, "K microbatches per update (same update as the full batch; default 1)"),
-    ("--bn", str, "cnn BatchNorm statistics: sync (global batch, default) | local (each data shard's own)"),
-    ("--dtype", str, "compute dtype float32 | bfloat16 (parameters and optimizer state stay float32)"),
-    ("--stragglers", str, "simulated worker speeds: '3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded "
-                          "log-normal jitter (sets sim_time in the metrics)"),
-]
+Every field whose `option(...)` says `flag=True` becomes `--field-name` (underscores -> dashes) with the field's
+type, help text and default; the flags are listed in --help by group. Flags default to None (= "not given"), so a
+flag overrides the config file's field only when it is passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import NamedTuple
+
+from jaxpar.config import GROUPS, OPTIONS, Config, describe
+
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+class Flag(NamedTuple):
+    flag: str  # "--batch-size"
+    field: str  # "batch_size"
+    type: type  # int | float | str
+    help: str  # the declared help, with what it applies to and its default
+    group: str
+
+
+def _type_of(f: dataclasses.Field) -> type:
+    name = str(f.type).split("|")[0].strip()
+    if name not in _TYPES:
+        raise TypeError(f"Config.{f.name}: a flag needs an int, float or str field, not {f.type}; "
+                        f"declare it with option(..., flag=False)")
+    return _TYPES[name]
+
+
+FLAGS: list[Flag] = [Flag("--" + f.name.replace("_", "-"), f.name, _type_of(f), describe(f.name),
+                          OPTIONS[f.name]["group"])
+                     for f in dataclasses.fields(Config) if OPTIONS[f.name]["flag"]]
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds every flag to `parser`, one argument group per concern."""
+    for group in GROUPS:
+        flags = [f for f in FLAGS if f.group == group]
+        if flags:
+            section = parser.add_argument_group(group)
+            for f in flags:
+                section.add_argument(f.flag, dest=f.field, type=f.type, default=None,
+                                     help=f.help.replace("%", "%%"))
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    """The Config fields the parsed flags set (flags not passed set nothing)."""
+    return {f.field: getattr(args, f.field) for f in FLAGS if getattr(args, f.field, None) is not None}

@@ -108,17 +108,16 @@ def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "") -> t
 
 
 def _suggest(shape: tuple[int, ...], num_devices: int) -> str:
-    """A spec that fits: the inner axes kept where they divide the devices, `data` takes the rest."""
-    inner = 1
-    kept = {}
-    for axis, size in zip(AXES[1:], shape[1:]):
-        if size not in (-1, 1) and num_devices % (inner * size) == 0:
-            kept[axis] = size
-            inner *= size
-    data = num_devices // inner
-    if set(kept) <= {MODEL}:
-        return f"{data}x{kept.get(MODEL, 1)}"
-    return format_shape(tuple([data] + [kept.get(axis, 1) for axis in AXES[1:]]))
+    """A spec that fits: from the innermost axis out, each inner axis as large as asked but dividing the devices
+    left; `data` takes the rest."""
+    left, sizes = num_devices, {}
+    for axis, asked in reversed(list(zip(AXES[1:], shape[1:]))):
+        asked = left if asked == -1 else asked
+        sizes[axis] = max(d for d in range(1, min(asked, left) + 1) if left % d == 0)
+        left //= sizes[axis]
+    if sizes.get(FSDP, 1) == 1:
+        return f"{left}x{sizes.get(MODEL, 1)}"
+    return format_shape(tuple([left] + [sizes[axis] for axis in AXES[1:]]))
 
 
 def user_set_cpu_device_count() -> bool:

@@ -1,7 +1,9 @@
 """Console progress and a JSONL metrics file: one JSON object per logged step, ready for pandas or plotting.
 
-Every record has `step`, `loss`, `samples_per_sec` (over the steps since the previous record; the first record
-covers only the first step, which includes compilation), `elapsed_sec`, and whatever the loss function returned.
+The first record is the run's resolved configuration (with library versions). Every step record has `step`,
+`loss`, `samples_per_sec` (examples whose gradient was applied, over the steps since the previous record: under
+SSP / ASP only the contributing replicas' examples count; the first record covers only the first step, which
+includes compilation), `elapsed_sec`, and whatever the loss function and the strategy returned.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ class RunLogger:
         self._file = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
         self._start = self._last_time = time.perf_counter()
         self._last_step = 0
+        self._examples = 0.0  # examples applied since the last record
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Call after every step; prints and records every `log_every` steps (and the first and last)."""
+        metrics = dict(metrics)
+        self._examples += metrics.pop("examples", self.batch_at(step - 1))
         if step % self.log_every and step not in (1, self.total_steps):
             return
         now = time.perf_counter()
-        samples = sum(self.batch_at(n) for n in range(self._last_step, step))
-        rate = samples / max(now - self._last_time, 1e-9)
+        rate = self._examples / max(now - self._last_time, 1e-9)
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
-        self._last_step, self._last_time = step, now
+        self._last_step, self._last_time, self._examples = step, now, 0.0
         self.write(record)
         remaining = (self.total_steps - step) * (now - self._start) / step if step > 1 else math.nan
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())

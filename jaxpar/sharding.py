@@ -3,9 +3,9 @@
 Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`); rules map each
 logical name to a mesh axis (or None = replicated). Rules come in two forms:
 
-- a dict `{"mlp": "model", "embed": "fsdp"}`: one mesh axis per name; two dimensions of one parameter on the same
+- a dict `{"mlp": TENSOR_AXIS, "embed": FSDP_AXIS}` (axis names from jaxpar.mesh): one mesh axis per name; two dimensions of one parameter on the same
   mesh axis is a `ShardingError`;
-- Flax's list of pairs `[("mlp", "model"), ("embed", "fsdp"), ("embed", None)]` (`flax.linen.logical_axis_rules`),
+- Flax's list of pairs `[("mlp", TENSOR_AXIS), ("embed", FSDP_AXIS), ("embed", None)]` (`logical_axis_rules`),
   with Flax's meaning: for each dimension the first rule for its name whose mesh axes the array does not already use
   applies; none applies -> replicated.
 
@@ -19,7 +19,7 @@ largest other dimension that divides (big_vision's rule), or leaves the paramete
 listed in the plan's notes. Rules given explicitly are followed strictly.
 
     >>> spec_for(("embed", "mlp"), DEFAULT_RULES, mesh, "mlp/kernel")     # doctest: +SKIP
-    PartitionSpec('fsdp', 'model')
+    PartitionSpec(<fsdp axis>, <tensor axis>)
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
         entries.append(axes)
     for axis in misplaced:
         _place_elsewhere(entries, axis, mesh, shape, where, notes)
+    # axes of size 1 split nothing: leaving them out keeps specs readable (no fsdp entry on a mesh without fsdp)
+    entries = [tuple(a for a in axes if mesh.shape[a] > 1) for axes in entries]
     return P(*[a[0] if len(a) == 1 else (a or None) for a in entries])
 
 

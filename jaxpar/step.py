@@ -3,30 +3,40 @@
 A model lives in the train state as two `nnx.State`s: `params` (the `nnx.Param`s the optimizer updates) and
 `model_state` (everything else: BatchNorm statistics, dropout RNG counters). A `graphdef` (static structure, in
 train or eval mode) turns them back into a module inside the jitted step.
+
+Randomness at call time: a loss function may be `loss_fn(model, batch)` or `loss_fn(model, batch, rngs)`. In the
+second form it gets an `nnx.Rngs` with a `dropout` stream (and a default stream) that is fresh every step: derived
+from the run key in the train state and the step number, then from the microbatch index under gradient
+accumulation and from the replica index under the explicit strategies. Flax's NNX lm1b example calls
+`model(x, rngs=rngs)` this way.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
 import functools
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-LossFn = Callable[[nnx.Module, dict], "tuple[jax.Array, dict[str, jax.Array]]"]
+LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
+
+_EVAL_STREAM = 0x5EED  # folded into the step key for evaluation (the model is in eval mode, so rarely drawn from)
 
 
 class TrainState(NamedTuple):
-    """Everything that changes during training; a pytree, so it can be jitted, sharded and checkpointed."""
+    """Everything that changes during training; a pytree, so it is jitted, donated, sharded and checkpointed as one."""
 
     step: jax.Array  # int32 scalar: number of updates applied
     params: Any  # nnx.State of the model's nnx.Param variables
     model_state: Any  # nnx.State of its other variables (BatchNorm statistics, RNG counters)
     opt_state: Any  # optax state, sharded like params
     strategy_state: Any = ()  # extra state a strategy keeps (per-replica parameters, stale versions, ...)
+    key: Any = ()  # uint32 key data of the run's PRNG key (raw data, so checkpoints need no typed-key support)
+    comm_state: Any = ()  # state of the averaging algorithm (e.g. error feedback of a compressed allreduce)
 
 
 def split_model(model: nnx.Module):
@@ -34,20 +44,54 @@ def split_model(model: nnx.Module):
     return nnx.split(model, nnx.Param, ...)
 
 
-def loss_and_grad(graphdef, loss_fn: LossFn, params, model_state, batch, accum: int = 1):
-    """Returns (loss, metrics, new model_state, grads) of `loss_fn(model, batch)` with respect to params.
+def step_key(state: TrainState) -> jax.Array:
+    """The typed key of the update `state.step`: fresh every step, the same on every mesh."""
+    return jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
 
+
+def takes_rngs(loss_fn: Callable) -> bool:
+    """True for `loss_fn(model, batch, rngs)`: a parameter named `rngs`, or three required positional ones."""
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    if any(p.name == "rngs" for p in parameters):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in parameters):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+    return len(positional) >= 3
+
+
+def with_rngs(loss_fn: LossFn) -> Callable:
+    """`loss_fn` in the three-argument form `(model, batch, rngs)`, whichever form the user wrote."""
+    if takes_rngs(loss_fn):
+        return loss_fn
+    return lambda model, batch, rngs: loss_fn(model, batch)
+
+
+def make_rngs(key) -> nnx.Rngs:
+    """The Rngs a loss function gets: a `dropout` stream and a default stream, both from `key` (a typed key)."""
+    return nnx.Rngs(jax.random.fold_in(key, 0), dropout=jax.random.fold_in(key, 1))
+
+
+def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int = 1):
+    """Returns (loss, metrics, new model_state, grads) of `loss_fn(model, batch, rngs)` with respect to params.
+
+    `loss_fn` is in the three-argument form (`with_rngs`); `key` is the typed key of this computation.
     accum > 1: gradient accumulation over `accum` equal microbatches (scanned, so activations of one microbatch are
     alive at a time); for a mean loss the result equals the full batch's. Microbatch m takes rows m, m + accum, ...,
-    so every microbatch keeps its share of every data shard and nothing moves between devices.
+    so every microbatch keeps its share of every data shard and nothing moves between devices. Microbatch m's key
+    is `fold_in(key, m)`.
     """
     if accum > 1:
-        return _accumulated(graphdef, loss_fn, params, model_state, batch, accum)
+        return _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum)
 
     model = nnx.merge(graphdef, params, model_state)
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
     # BatchNorm statistics) under differentiation; gradients are taken with respect to nnx.Param only.
-    (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+    (loss, metrics), grads = nnx.value_and_grad(lambda m: loss_fn(m, batch, make_rngs(key)), has_aux=True)(model)
     new_model_state = split_model(model)[2]
     return loss, metrics, new_model_state, grads
 
@@ -57,21 +101,25 @@ def apply_gradients(tx: optax.GradientTransformation, params, opt_state, grads):
     return optax.apply_updates(params, updates), opt_state
 
 
-def evaluate_batch(graphdef, loss_fn: LossFn, params, model_state, batch):
+def evaluate_batch(graphdef, loss_fn, params, model_state, batch, key):
+    """Metrics of the three-argument `loss_fn` on one batch (graphdef in eval mode)."""
     model = nnx.merge(graphdef, params, model_state)
-    loss, metrics = loss_fn(model, batch)
+    loss, metrics = loss_fn(model, batch, make_rngs(jax.random.fold_in(key, _EVAL_STREAM)))
     return {"loss": loss, **metrics}
 
 
-def _accumulated(graphdef, loss_fn, params, model_state, batch, accum):
+def _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum):
     micro = jax.tree.map(lambda x: x.reshape((x.shape[0] // accum, accum) + x.shape[1:]).swapaxes(0, 1), batch)
 
-    def one(carry, microbatch):  # params ride in the carry: NNX modules may only be built at their own trace level
+    def one(carry, inputs):  # params ride in the carry: NNX modules may only be built at their own trace level
         grads_sum, p, state = carry
-        loss, metrics, state, grads = loss_and_grad(graphdef, loss_fn, p, state, microbatch)
+        index, microbatch = inputs
+        loss, metrics, state, grads = loss_and_grad(graphdef, loss_fn, p, state, microbatch,
+                                                    jax.random.fold_in(key, index))
         return (jax.tree.map(jnp.add, grads_sum, grads), p, state), (loss, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads_sum, _, model_state), (losses, metrics) = jax.lax.scan(one, (zeros, params, model_state), micro)
+    (grads_sum, _, model_state), (losses, metrics) = jax.lax.scan(
+        one, (zeros, params, model_state), (jnp.arange(accum), micro))
     mean = functools.partial(jnp.mean, axis=0)
     return mean(losses), jax.tree.map(mean, metrics), model_state, jax.tree.map(lambda g: g / accum, grads_sum)

@@ -1,22 +1,23 @@
-"""Trainer: init / step / evaluate / fit for any Flax NNX model on a ("data", "model") mesh.
+"""Trainer: init / step / evaluate / fit for any Flax NNX model on a (data, fsdp, model) mesh.
 
     import jaxpar, optax
     trainer = jaxpar.Trainer(model=lambda rngs: MyModel(rngs=rngs), loss_fn=my_loss,
-                             optimizer=optax.adamw(1e-3), mesh=jaxpar.make_mesh("2x4"))
+                             optimizer=optax.adamw(1e-3), mesh=jaxpar.make_mesh("data=2,fsdp=2,model=2"))
     state = trainer.init(seed=0)
     state, metrics = trainer.step(state, {"x": x_np, "y": y_np})
+    state = trainer.fit(state, batches, steps=1000, actions=[...])
     params = trainer.params(state)
 
 Parameters and optimizer state are created already sharded: the model is built abstractly (`nnx.eval_shape`), its
 logical axis names are mapped to `NamedSharding`s, and the real values are created inside
-`jax.jit(init, out_shardings=...)`, so no device ever holds a whole tensor-parallel parameter.
+`jax.jit(init, out_shardings=...)`, so no device ever holds a whole sharded parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-
 import functools
+import logging
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -25,20 +26,40 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
-from jaxpar.errors import ConfigError, JaxparError
-from jaxpar.step import LossFn, TrainState, evaluate_batch, split_model
+from jaxpar.actions import Action, OnStep, StepEvent
+from jaxpar.errors import ConfigError, FitError, JaxparError
+from jaxpar.step import LossFn, TrainState, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
+
+log = logging.getLogger("jaxpar")
 
 
 class Trainer:
+    """Trains `model` (a factory `rngs -> nnx.Module`) with `loss_fn` and `optimizer` on `mesh`.
+
+    Args:
+      model: a function `rngs -> nnx.Module` (e.g. the class itself, or `jaxpar.from_linen(...)`).
+      loss_fn: `(model, batch) -> (loss, metrics)` or `(model, batch, rngs) -> (loss, metrics)`; in the second
+        form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.step`).
+      optimizer: an optax GradientTransformation.
+      mesh: from `jaxpar.make_mesh`.
+      rules: logical axis name -> mesh axis, a dict or Flax's list of pairs. None: `DEFAULT_RULES`, with automatic
+        FSDP placement (a dimension that does not divide by fsdp moves or stays whole, and is reported).
+      strategy: how replicas agree (default `Sync()`).
+      grad_accum: microbatches per update (must divide the per-replica batch).
+      eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
+    """
+
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
-                 optimizer: optax.GradientTransformation, mesh: Mesh,
-                 rules: Mapping[str, str | None] = shd.DEFAULT_RULES, strategy: Strategy | None = None,
+                 optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None):
-        self.mesh, self.rules, self.strategy = mesh, dict(rules), strategy or Sync()
-        self._factory, self._loss_fn, self._tx, self.grad_accum = model, loss_fn, optimizer, grad_accum
-        self._eval_loss_fn = eval_loss_fn or loss_fn  # e.g. the loss without label smoothing
+        self.mesh, self.strategy = mesh, strategy or Sync()
+        self.rules = shd.DEFAULT_RULES if rules is None else rules
+        self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
+        self._loss_fn = with_rngs(loss_fn)
+        self._eval_loss_fn = with_rngs(eval_loss_fn or loss_fn)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
             raise ConfigError(f"--grad-accum {grad_accum!r}: must be an integer >= 1")
         shd.validate_rules(self.rules, mesh)
@@ -50,15 +71,22 @@ class Trainer:
         abstract.train()
         graphdef, abs_params, abs_model_state = split_model(abstract)
 
-        param_sh = shd.state_shardings(abs_params, self.rules, mesh)
-        model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh)
+        self.plan_notes = shd.PlanNotes()
+        strict = rules is not None
+        param_sh = shd.state_shardings(abs_params, self.rules, mesh, strict, self.plan_notes)
+        model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh, strict)
         opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
-        self._ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh,
-                                grad_accum)
-        base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, ())
+        self._ctx = StepContext(graphdef, abs_params, self._loss_fn, optimizer, mesh, param_sh, model_state_sh,
+                                opt_sh, grad_accum, getattr(self.strategy, "communicator", None))
+        comm = self._ctx.communicator
+        comm_sh = () if comm is None else jax.tree.map(
+            lambda _: shd.replicated(mesh), jax.eval_shape(comm.init, abs_params))
+        base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
         self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
+        for line in self.notes:
+            log.warning(line)
 
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._steps = {name: jax.jit(functools.partial(self._traced_step, name, fn),
@@ -73,7 +101,11 @@ class Trainer:
         with nnx.use_eager_sharding(False):
             model = self._factory(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = split_model(model)
-        state = TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), ())
+        comm = self._ctx.communicator
+        # the run key: a separate stream from initialisation's (same seed, another fold)
+        state = TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), (),
+                           jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
+                           () if comm is None else comm.init(params))
         return self.strategy.init(self._ctx, state)
 
     def _traced_step(self, name, fn, state, batch, inputs):
@@ -81,30 +113,43 @@ class Trainer:
         return fn(state, batch, inputs)
 
     def _eval_step(self, state, batch):
-        return evaluate_batch(self._eval_graphdef, self._eval_loss_fn, state.params, state.model_state, batch)
+        return evaluate_batch(self._eval_graphdef, self._eval_loss_fn, state.params, state.model_state, batch,
+                              step_key(state))
 
     # --- public API ----------------------------------------------------------------------------------------------
+    @property
+    def notes(self) -> list[str]:
+        """What the sharding plan decided that you should know (replicated names, parameters FSDP left whole)."""
+        return self.plan_notes.lines(self.mesh)
+
     @property
     def trace_count(self) -> int:
         return sum(self.trace_counts.values())
 
     @property
-    def data_size(self) -> int:
-        return self.mesh.shape["data"]
+    def num_replicas(self) -> int:
+        return mesh_lib.replica_count(self.mesh)
+
+    @property
+    def batch_divisor(self) -> int:
+        """A global batch must divide by this: the product of the batch axes (data x fsdp)."""
+        return mesh_lib.batch_ways(self.mesh)
 
     def init(self, seed: int = 0) -> TrainState:
         """A fresh train state; the same seed gives the same parameters on every mesh."""
         return self._init(jnp.asarray(seed, jnp.uint32))
 
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
-        """Places a global batch on the mesh, examples split over `data` (a no-op for arrays already placed)."""
+        """Places a global batch on the mesh, examples split over the batch axes (a no-op for placed arrays)."""
         sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
         if None in sizes.values() or len(set(sizes.values())) != 1:
             raise JaxparError(f"batch arrays must share a leading example dimension; got leading sizes {sizes}")
         size = next(iter(sizes.values()))
-        if size % self.data_size:
-            raise JaxparError(f"global batch size {size} does not divide by the data-axis size {self.data_size}; "
-                              f"use a multiple of {self.data_size} (--batch-size)")
+        ways = self.batch_divisor
+        if size % ways:
+            raise JaxparError(f"global batch size {size} does not divide by the batch axes "
+                              f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways} "
+                              f"(--batch-size)")
         return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding else self._place(v)
                 for k, v in batch.items()}
 
@@ -119,19 +164,23 @@ class Trainer:
         """One update; `state` is donated (do not reuse it). Metrics stay on device until read.
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
-        `state.step` back from the device; `fit` passes it.
+        `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`)
+        and `examples`, the number of examples whose gradient this update applied.
         """
         sizes = {np.shape(v)[0] for v in batch.values() if np.ndim(v)}
-        if any((size // self.data_size) % self.grad_accum for size in sizes):
+        replicas = self.num_replicas
+        if any((size // replicas) % self.grad_accum for size in sizes):
             size = next(iter(sizes))
             raise JaxparError(f"--grad-accum {self.grad_accum} does not divide the per-replica batch "
-                              f"{size // self.data_size} (global {size} / data axis {self.data_size}); use a divisor "
-                              f"of {size // self.data_size}")
+                              f"{size // replicas} (global {size} / {replicas} replicas); use a divisor "
+                              f"of {size // replicas}")
         if step_number is None:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self._ctx, step_number)
-        state, metrics = self._steps[plan.variant](state, self.shard_batch(batch), plan.inputs)
-        return state, {**metrics, **plan.host_metrics}
+        placed = self.shard_batch(batch)
+        state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
+        rows = max(sizes) if sizes else 0
+        return state, {**metrics, **plan.host_metrics, "examples": float(rows * plan.work_fraction)}
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
@@ -141,29 +190,65 @@ class Trainer:
         """The full parameters, gathered from all shards, as a nested dict of numpy arrays."""
         return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(state.params)))
 
-    def fit(self, state: TrainState, batches: Iterable[Mapping], steps: int,
+    def fit(self, state: TrainState, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),
             on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainState:
-        """Runs `steps` updates, calling `on_step(step, metrics)` with host floats after each.
+        """Runs `steps` updates and the `actions` (see `jaxpar.actions`) as their steps' metrics become ready.
 
         At most two steps are in flight: before dispatching step N+1 the loop waits for step N-1's metrics.
         Unbounded dispatch of collective-bearing steps deadlocks XLA:CPU with many devices on few cores, and
-        reading metrics one step late still overlaps host work with the device.
+        reading metrics one step late still overlaps host work with the device. An action that needs the state
+        runs before the next step is dispatched (that step donates the state).
+
+        `on_step(step, metrics)` is shorthand for an action called after every step. If the batch iterator runs
+        out, a step is refused or an action raises, `fit` raises `FitError` carrying `.state` (the state after
+        `.step` updates, never donated) and the cause.
         """
+        actions = list(actions) + ([OnStep(on_step)] if on_step is not None else [])
         iterator = iter(batches)
         step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step
+        last = step_number + steps
         pending = None
         for _ in range(steps):
-            state, metrics = self.step(state, next(iterator), step_number)
-            step_number += 1
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._flush(pending, actions, state, step_number, last)
+                raise FitError(f"the batch iterator ran out after {step_number} steps of {last}; give fit an "
+                               f"endless iterator or fewer steps", state, step_number) from None
+            try:
+                new_state, metrics = self.step(state, batch, step_number)
+            except JaxparError as error:
+                self._flush(pending, actions, state, step_number, last)
+                raise FitError(str(error), state, step_number) from error
+            state, step_number = new_state, step_number + 1
             if pending is not None:
-                self._report(*pending, on_step)
+                self._run_actions(pending, actions, None, last, state, step_number)
             pending = (step_number, metrics)
-        if pending is not None:
-            self._report(*pending, on_step)
+            if any(a.needs_state and a.due(step_number, step_number == last) for a in actions):
+                self._run_actions(pending, actions, state, last, state, step_number)
+                pending = None
+        self._flush(pending, actions, state, step_number, last)
         return state
 
-    @staticmethod
-    def _report(step, metrics, on_step):
-        host = jax.device_get(metrics)  # blocks until that step is done
-        if on_step is not None:
-            on_step(step, {k: float(v) for k, v in host.items()})
+    def _flush(self, pending, actions, state, step_number, last):
+        if pending is not None:
+            self._run_actions(pending, actions, state, last, state, step_number)
+
+    def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
+        step, metrics = pending
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # blocks until that step is done
+        is_last = step == last
+        for action in actions:
+            if not action.due(step, is_last):
+                continue
+            if action.needs_state and event_state is None:
+                continue  # only reached when the state of `step` is already donated: not due with a state
+            try:
+                action(StepEvent(step, host, event_state if action.needs_state else None, self, is_last))
+            except (KeyboardInterrupt, FitError):
+                raise
+            except JaxparError as error:
+                raise FitError(str(error), current_state, current_step) from error
+            except Exception as error:
+                raise FitError(f"action {getattr(action, 'label', type(action).__name__)} failed at step {step}: "
+                               f"{type(error).__name__}: {error}", current_state, current_step) from error

@@ -19,7 +19,9 @@ def factory(config, bn_groups: int = 1):
     """A constructor `rngs -> nnx.Module` for `config.model`, sized by the config.
 
     bn_groups: how many groups BatchNorm splits the global batch into for its statistics (1 = synchronised).
+    Sizes the config leaves unset (None) take the model's declared defaults (`jaxpar.Config.resolved`).
     """
+    config = _resolved(config)
     dtype = jnp.bfloat16 if getattr(config, "dtype", "float32") == "bfloat16" else None
     if config.model == "transformer":
         return lambda rngs: Transformer(vocab=config.vocab, seq_len=config.seq_len, layers=config.layers,
@@ -33,8 +35,13 @@ def factory(config, bn_groups: int = 1):
     raise ValueError(f"unknown model {config.model!r}")
 
 
+def _resolved(config):
+    return config.resolved() if hasattr(config, "resolved") else config  # also any object with the fields
+
+
 def loss_for(config):
     """`config.model`'s loss with the config's label smoothing."""
+    config = _resolved(config)
     return functools.partial(LOSSES[config.model], label_smoothing=getattr(config, "label_smoothing", 0.0))
 
 

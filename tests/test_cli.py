@@ -21,9 +21,11 @@ def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
     done = cli("--mesh", "2x4", "--steps", "4", "--log-every", "2", "--metrics", str(metrics))
     assert done.returncode == 0, done.stderr
-    assert "on mesh data=2 x model=4 (8 cpu devices)" in done.stdout
+    assert "on mesh data=2 x fsdp=1 x model=4 (8 cpu devices)" in done.stdout
     assert "step 4/4" in done.stdout and "held-out at step 4:" in done.stdout
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    config, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert config["mesh"] == "2x4" and config["steps"] == 4 and config["layers"] == 2 and config["hidden"] is None
+    assert set(config["versions"]) == {"jaxpar", "jax", "flax", "optax"} and config["versions"]["jax"]
     assert [r["step"] for r in records] == [1, 2, 4, 4]
     assert all({"loss", "samples_per_sec", "accuracy"} <= set(r) for r in records[:3])
     assert "eval_perplexity" in records[3]
@@ -41,7 +43,7 @@ def test_cli_strategy_run_logs_simulated_time_and_staleness(tmp_path, capsys):
     metrics = tmp_path / "ssp.jsonl"
     assert run.main(["--mesh", "4x2", "--model", "mlp", "--strategy", "ssp", "--staleness", "1", "--stragglers",
                      "3:3.0", "--steps", "6", "--log-every", "1", "--metrics", str(metrics)]) == 0
-    records = [json.loads(line) for line in metrics.read_text().splitlines()][:6]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][1:7]
     assert [r["sim_time"] for r in records] == [1.0, 3.0, 4.0, 6.0, 7.0, 9.0]
     assert max(r["staleness_max"] for r in records) == 1.0
     assert "strategy ssp" in capsys.readouterr().out
@@ -52,7 +54,7 @@ def test_cli_eval_every_logs_held_out_metrics_and_large_batch_flags_take_effect(
     assert run.main(["--mesh", "4x2", "--model", "cnn", "--steps", "6", "--eval-every", "3", "--log-every", "1",
                      "--batch-ramp", "32:0,64:3", "--lr-scaling", "linear", "--warmup-steps", "2", "--bn", "local",
                      "--label-smoothing", "0.1", "--grad-accum", "2", "--metrics", str(metrics)]) == 0
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
     evals = [r for r in records if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [3, 6]
     steps = {r["step"]: r for r in records if "lr" in r}
@@ -64,7 +66,7 @@ def test_tiny_held_out_split_is_refused_before_training(tmp_path, capsys):
     text = tmp_path / "small.txt"
     text.write_bytes(bytes(range(256)) * 20)  # 5120 bytes: 38 training windows, 1 validation window
     assert run.main(["--data", str(text), "--mesh", "2x4", "--metrics", str(tmp_path / "m.jsonl")]) == 2
-    assert "the held-out split has 1 examples, fewer than the 2 data replicas" in capsys.readouterr().err
+    assert "the held-out split has 1 examples, fewer than the 2 devices the batch is split over" in capsys.readouterr().err
     assert not (tmp_path / "m.jsonl").exists()
 
 
@@ -77,7 +79,10 @@ def test_evaluation_is_not_subject_to_grad_accum(capsys):
     ("def get_config():\n    return jaxpar.Config(foo=1)", "could not be loaded (TypeError"),
     ("def get_config():\n    return jaxpar.Config(mesh=8)", "--mesh 8: must be a string"),
     ("def get_config():\n    return jaxpar.Config(lr='0.1')", "--lr '0.1': must be a number"),
-    ("def get_config():\n    return jaxpar.Config(channels=(16,))", "channels (16,): must be two positive integers"),
+    ("def get_config():\n    return jaxpar.Config(model='cnn', channels=(16,))",
+     "channels (16,): must be two positive integers"),
+    ("def get_config():\n    return jaxpar.Config(channels=(16, 32))",
+     "channels (16, 32) does not apply to --model transformer; it applies to cnn"),
     ("def get_config():\n    return jaxpar.Config(rules={'mlp': 3})", "rules {'mlp': 3}: must map logical axis"),
     ("x = 1", "defines no get_config()"),
 ])
@@ -98,7 +103,7 @@ def test_large_digits_batch_still_evaluates_the_whole_test_split(capsys):
 def test_config_preset_with_flag_override(tmp_path, capsys):
     assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
-    assert "jaxpar: mlp" in out and "on mesh data=8 x model=1" in out and "step 3/3" in out
+    assert "jaxpar: mlp" in out and "on mesh data=8 x fsdp=1 x model=1" in out and "step 3/3" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -108,11 +113,12 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--model", "resnet"], "--model 'resnet' is not a model; choose one of transformer, mlp, cnn"),
     (["--config", "configs/nope.py"], "--config 'configs/nope.py': no such file; presets: configs/cnn.py"),
     (["--mesh", "2x"], "--mesh '2x': '' is not an axis size"),
-    (["--mesh", "4x2", "--batch-size", "30"], "--batch-size 30 does not divide by the data-axis size 4 (--mesh 4x2); "
-                                              "use a multiple of 4, e.g. --batch-size 28"),
+    (["--mesh", "4x2", "--batch-size", "30"], "--batch-size 30 does not divide by the 4 devices the batch is split "
+                                              "over (data x fsdp of --mesh 4x2); use a multiple of 4, e.g. --batch-size 28"),
     (["--mesh", "4x4"], "--mesh '4x4' needs 16 devices but only 8 are available; try --mesh 2x4"),
     (["--data", "/no/such/corpus"], "--data '/no/such/corpus': no such file or folder"),
-    (["--model", "mlp", "--data", "x.txt"], "--data 'x.txt': the mlp model trains on the built-in digits dataset"),
+    (["--model", "mlp", "--data", "x.txt"], "--data 'x.txt' does not apply to --model mlp; it applies to transformer "
+                                            "(mlp and cnn train on the built-in digits dataset)"),
     (["--metrics", "/no/such/dir/m.jsonl"], "--metrics '/no/such/dir/m.jsonl': folder '/no/such/dir' does not exist"),
     (["--model", "mlp", "--batch-size", "4096"], "digits training split has 1497 examples, fewer than one global "
                                                  "batch of 4096; use a global batch (--batch-size / --batch-ramp) of 1497 or less"),
@@ -151,7 +157,8 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--dtype", "float16"], "--dtype 'float16': choose one of float32, bfloat16"),
     (["--label-smoothing", "1.0"], "--label-smoothing 1.0: must be in [0, 1)"),
     (["--label-smoothing", "-0.1"], "--label-smoothing -0.1: must be in [0, 1)"),
-    (["--bn", "local"], "--bn local: the transformer model has no BatchNorm; --bn applies to --model cnn"),
+    (["--bn", "local"], "--bn 'local' does not apply to --model transformer; it applies to cnn (only the cnn has "
+                        "BatchNorm)"),
     (["--model", "cnn", "--bn", "global"], "--bn 'global': choose one of sync, local"),
     (["--model", "cnn", "--bn", "sync", "--allreduce", "ring"], "--bn sync needs --strategy sync without --allreduce"),
     (["--batch-ramp", "32:0,16:10"], "--batch-ramp '32:0,16:10': steps and sizes must both increase"),

@@ -91,3 +91,54 @@ def test_data_errors(tmp_path):
     (tmp_path / "folder").mkdir()
     with pytest.raises(jaxpar.DataError, match=r"the folder contains no files"):
         data.load_text(str(tmp_path / "folder"))
+
+
+@pytest.mark.parametrize("length, seq_len", [(5120, 128), (5119, 128), (100_000, 128), (100_000, 64), (1 << 20, 512),
+                                             (3_000, 16)])
+def test_held_out_blocks_partition_the_corpus(length, seq_len):
+    positions = np.arange(length)  # split_text only looks at the length, so positions show where each byte went
+    train, val = data.split_text(positions, seq_len=seq_len)
+    assert len(val) > 0 and len(train) + len(val) == length
+    np.testing.assert_array_equal(np.sort(np.concatenate([train, val])), positions)  # no byte in both, none lost
+    assert (np.diff(train) > 0).all() and (np.diff(val) > 0).all()  # each part keeps the corpus order
+    again = data.split_text(positions, seq_len=seq_len)
+    np.testing.assert_array_equal(again[0], train)
+    np.testing.assert_array_equal(again[1], val)
+
+
+@pytest.mark.parametrize("seq_len", [16, 128, 200])
+def test_windows_never_mix_training_and_held_out_text(seq_len):
+    positions = np.arange(300_000)
+    train, val = data.split_text(positions, seq_len=seq_len)
+    held_out = set(val.tolist())
+    for part in (train, val):
+        windows = data.TextWindows(part, seq_len)[np.arange(len(data.TextWindows(part, seq_len)))]["tokens"]
+        # a window's inputs are one contiguous run of the corpus (blocks are multiples of seq_len); only its last
+        # target may come from the next block of the same part
+        assert (np.diff(windows[:, :seq_len], axis=1) == 1).all()
+        in_held_out = np.isin(windows, val)
+        assert in_held_out.all() if part is val else not in_held_out.any()
+    assert not held_out & set(train.tolist())
+
+
+def test_tiny_corpus_still_has_a_held_out_window():
+    tokens = np.frombuffer(bytes(range(256)) * 20, dtype=np.uint8)  # tests/test_cli.py's 5,120-byte file
+    train, val = data.split_text(tokens)
+    assert len(data.TextWindows(val, 128)) == 1 and len(data.TextWindows(train, 128)) == 37
+    with pytest.raises(ValueError, match="validation_fraction"):
+        data.split_text(tokens, validation_fraction=0)
+
+
+def test_default_corpus_held_out_blocks_are_about_5_percent_spread_over_the_whole_corpus():
+    tokens = data.load_text(None)
+    train, val = data.split_text(tokens)
+    assert 0.045 < len(val) / len(tokens) < 0.055
+    positions = data.split_text(np.arange(len(tokens)))[1]
+    np.testing.assert_array_equal(tokens[positions], val)
+    assert positions[0] < 0.05 * len(tokens) and positions[-1] > 0.95 * len(tokens)
+    starts = positions[np.r_[0, np.flatnonzero(np.diff(positions) > 1) + 1]]
+    assert len(starts) >= 40 and np.diff(starts).max() < 0.03 * len(tokens)  # ~50 blocks, evenly spaced
+    # the held-out bytes are distributed like the training bytes (the old last-5% split: KL 0.54 bits)
+    p, q = (np.bincount(part, minlength=256) + 1.0 for part in (val, train))
+    p, q = p / p.sum(), q / q.sum()
+    assert (p * np.log2(p / q)).sum() < 0.05

@@ -13,7 +13,7 @@ from flax import nnx
 import jaxpar
 from tests.helpers import batch_for, trainer_for
 
-MESHES = ("1x1", "8x1", "2x4", "1x8")
+MESHES = ("1x1", "8x1", "2x4", "1x8", "data=2,fsdp=2,model=2", "fsdp=8", "data=2,fsdp=4")
 ATOL = RTOL = 2e-5
 
 
@@ -29,6 +29,8 @@ def run(model, mesh, steps=5, dropout=0.0):
 
 @pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
 def test_same_seed_and_batch_give_the_same_training_on_every_mesh(model):
+    """Data, FSDP and tensor parallelism and their mixes: the CNN with synchronised BatchNorm, the transformer with
+    dropout on."""
     dropout = 0.1 if model == "transformer" else 0.0  # dropout masks are mesh independent too
     reference_params, reference_losses = run(model, "1x1", dropout=dropout)
     assert reference_losses[4] < reference_losses[0]  # it trains (steps 0, 2, 4 see the same batch)

@@ -1,13 +1,21 @@
+import os
+import re
+
 import jax
 import pytest
 
 import jaxpar
+from jaxpar import mesh as mesh_lib
 from jaxpar.mesh import parse_mesh_spec, resolve_shape
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-@pytest.mark.parametrize("spec, shape", [("8", (8, 1)), ("2x4", (2, 4)), ("data=2,model=4", (2, 4)),
-                                         ("model=4,data=2", (2, 4)), ("model=8", (1, 8)), ("-1", (-1, 1)),
-                                         ("-1x4", (-1, 4)), (" 1 X 8 ", (1, 8))])
+
+@pytest.mark.parametrize("spec, shape", [
+    ("8", (8, 1, 1)), ("2x4", (2, 1, 4)), ("2x2x2", (2, 2, 2)), ("data=2,model=4", (2, 1, 4)),
+    ("model=4,data=2", (2, 1, 4)), ("model=8", (1, 1, 8)), ("-1", (-1, 1, 1)), ("-1x4", (-1, 1, 4)),
+    (" 1 X 8 ", (1, 1, 8)), ("fsdp=8", (1, 8, 1)), ("data=2,fsdp=2,model=2", (2, 2, 2)), ("data=2,fsdp=4", (2, 4, 1)),
+    ("fsdp=-1,model=2", (1, -1, 2))])
 def test_parse_forms(spec, shape):
     assert parse_mesh_spec(spec) == shape
 
@@ -15,7 +23,8 @@ def test_parse_forms(spec, shape):
 @pytest.mark.parametrize("spec, words", [("2x", "'' is not an axis size"), ("axb", "'a' is not an axis size"),
                                          ("0x4", "must be >= 1"), ("2x4x2x2", "4 axes given"),
                                          ("-1x-1", "only once"), ("pipe=2", "unknown axis 'pipe'"),
-                                         ("data=2,data=4", "given twice"), ("2.5", "not an axis size")])
+                                         ("data=2,data=4", "given twice"), ("2.5", "not an axis size"),
+                                         ("fsdp=-1,data=-1", "only once")])
 def test_malformed_specs_raise_one_line_value_errors(spec, words):
     with pytest.raises(jaxpar.MeshError) as info:
         parse_mesh_spec(spec)
@@ -24,10 +33,27 @@ def test_malformed_specs_raise_one_line_value_errors(spec, words):
 
 
 def test_make_mesh_shapes_and_axis_names():
-    for spec, shape in [("8", (8, 1)), ("2x4", (2, 4)), ("1x8", (1, 8)), ("-1x2", (4, 2)), ("-1", (8, 1))]:
+    for spec, shape in [("8", (8, 1, 1)), ("2x4", (2, 1, 4)), ("1x8", (1, 1, 8)), ("-1x2", (4, 1, 2)),
+                        ("-1", (8, 1, 1)), ("fsdp=8", (1, 8, 1)), ("data=2,fsdp=2,model=2", (2, 2, 2)),
+                        ("data=2,fsdp=-1", (2, 4, 1)), ((2, 4), (2, 1, 4)), ((2, 2, 2), (2, 2, 2))]:
         mesh = jaxpar.make_mesh(spec)
-        assert mesh.axis_names == ("data", "model")
-        assert (mesh.shape["data"], mesh.shape["model"]) == shape
+        assert mesh.axis_names == ("data", "fsdp", "model")
+        assert tuple(mesh.shape[a] for a in mesh.axis_names) == shape, spec
+
+
+def test_roles():
+    mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
+    assert mesh_lib.batch_ways(mesh) == 4 and mesh_lib.replica_count(mesh) == 2
+    assert mesh_lib.BATCH_AXES == mesh_lib.GRADIENT_AXES == ("data", "fsdp")
+    assert mesh_lib.PARAMETER_AXES == ("fsdp", "model") and mesh_lib.REPLICA_AXIS == "data"
+    assert mesh_lib.keep_within_replica(jax.sharding.PartitionSpec("data", ("fsdp", "model"), None)) == \
+        jax.sharding.PartitionSpec(None, ("fsdp", "model"), None)
+
+
+def test_model_axis_is_innermost_so_it_gets_neighbouring_devices():
+    mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
+    ids = [[[d.id for d in row] for row in plane] for plane in mesh.devices]
+    assert ids == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
 
 def test_smaller_mesh_uses_first_devices():
@@ -39,12 +65,36 @@ def test_smaller_mesh_uses_first_devices():
 def test_too_many_devices_names_both_numbers_and_suggests_a_fit():
     with pytest.raises(jaxpar.MeshError, match=r"'4x4' needs 16 devices but only 8 are available; try --mesh 2x4"):
         jaxpar.make_mesh("4x4")
-    with pytest.raises(jaxpar.MeshError, match=r"needs 16 devices but only 8 .* try --mesh 8x1"):
+    with pytest.raises(jaxpar.MeshError, match=r"needs 16 devices but only 8 .* try --mesh 1x8"):
         jaxpar.make_mesh("1x16")
-    with pytest.raises(jaxpar.MeshError, match=r"8 devices do not divide by 3; try --mesh 8x1"):
+    with pytest.raises(jaxpar.MeshError, match=r"8 devices do not divide by 3; try --mesh 4x2"):
         jaxpar.make_mesh("-1x3")
+    with pytest.raises(jaxpar.MeshError, match=r"needs 16 devices .* try --mesh data=2,fsdp=2,model=2"):
+        jaxpar.make_mesh("data=4,fsdp=2,model=2")
+    with pytest.raises(jaxpar.MeshError, match=r"needs 16 devices .* try --mesh fsdp=8"):
+        jaxpar.make_mesh("fsdp=16")
 
 
 def test_resolve_fills_the_remaining_devices():
-    assert resolve_shape((-1, 4), 8) == (2, 4)
-    assert resolve_shape((2, -1), 8) == (2, 4)
+    assert resolve_shape((-1, 1, 4), 8) == (2, 1, 4)
+    assert resolve_shape((2, 1, -1), 8) == (2, 1, 4)
+    assert resolve_shape((1, -1, 2), 8) == (1, 4, 2)
+
+
+AXIS_LITERAL = re.compile(r"""["'](data|fsdp|model)["']""")
+
+
+def test_no_library_module_but_mesh_spells_an_axis_name():
+    """The axis names are declared once (jaxpar/mesh.py); everything else asks for them by role. A line that spells
+    one of these words for another purpose (a config field called `model`) says so in a comment."""
+    offenders = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "jaxpar")):
+        for name in names:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(ROOT, "jaxpar", "mesh.py"):
+                with open(path, encoding="utf-8") as handle:
+                    for number, line in enumerate(handle, 1):
+                        if AXIS_LITERAL.search(line) and "not a mesh axis" not in line \
+                                and "not mesh axes" not in line:
+                            offenders.append(f"{os.path.relpath(path, ROOT)}:{number}: {line.strip()}")
+    assert offenders == []

@@ -7,6 +7,8 @@ import numpy as np
 import optax
 import pytest
 
+from flax import nnx
+
 import jaxpar
 from jaxpar.explain import collective_stats
 from jaxpar.strategies.simulator import parse_stragglers, simulate_ps
@@ -29,7 +31,8 @@ def assert_same_params(a, b, atol=ATOL):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=ATOL), a, b)
 
 
-@pytest.mark.parametrize("mesh, model", [("2x4", "mlp"), ("8x1", "transformer"), ("2x4", "transformer")])
+@pytest.mark.parametrize("mesh, model", [("2x4", "mlp"), ("8x1", "transformer"), ("2x4", "transformer"),
+                                         ("data=2,fsdp=2,model=2", "mlp"), ("data=2,fsdp=2,model=2", "transformer")])
 def test_every_allreduce_algorithm_trains_exactly_like_the_compiler_allreduce(mesh, model):
     reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh, model)
     expected = reference_trainer.params(reference_state)
@@ -42,9 +45,10 @@ def test_every_allreduce_algorithm_trains_exactly_like_the_compiler_allreduce(me
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=1), jaxpar.DiLoCo(period=1, outer_optimizer=optax.sgd(1.0)),
                                       jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=4, local_after=5)],
                          ids=["local_sgd_H1", "diloco_H1_outer_sgd1", "ssp_S0", "post_local_sync_phase"])
-def test_strategies_at_their_limit_equal_sync_sgd(strategy):
-    reference_trainer, reference_state, reference = train(jaxpar.Sync(), "2x4")
-    trainer, state, history = train(strategy, "2x4")
+@pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
+def test_strategies_at_their_limit_equal_sync_sgd(strategy, mesh):
+    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh)
+    trainer, state, history = train(strategy, mesh)
     np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
     assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
 
@@ -217,3 +221,83 @@ def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refuse
     assert strategy.buffer_size(4) == 2
     strategy.plan(trainer._ctx, 100)  # plans past the horizon keep the compiled buffer size
     assert strategy.buffer_size(4) == 2
+
+
+def test_local_sgd_replicas_stay_sharded_over_fsdp_and_model_inside_the_replica():
+    trainer, state, _ = train(jaxpar.LocalSGD(period=2), "data=2,fsdp=2,model=2", steps=1)
+    kernel = state.strategy_state["params"]["hidden"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec("data", "fsdp", "model")
+    assert kernel.addressable_shards[0].data.shape == (1, 32, 16)
+
+
+def test_a_non_participant_replica_with_nan_gradients_does_not_poison_the_update():
+    """SSP/ASP mask non-participants with a select: 0 x NaN would be NaN."""
+    strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
+    trainer = trainer_for("mlp", "4x2", strategy=strategy)
+    assert not strategy.plan(trainer._ctx, 0).inputs["participation"][3]  # replica 3 is still computing
+    batch = batch_for("mlp", size=16)
+    batch["image"][12:] = np.nan  # replica 3's slice
+    state, metrics = trainer.step(trainer.init(0), batch)
+    assert np.isfinite(float(metrics["loss"]))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(trainer.params(state)))
+    clean = batch_for("mlp", size=16)
+    reference, _ = trainer_for("mlp", "4x2", strategy=jaxpar.ASP(stragglers="3:2.0", horizon=4)).step(
+        trainer_for("mlp", "4x2", strategy=jaxpar.ASP(stragglers="3:2.0", horizon=4)).init(0), clean)
+    assert_same_params(trainer.params(state), trainer.params(reference))
+
+
+def test_schedules_and_clocks_are_pure_functions_of_replica_count_and_step():
+    strategy = jaxpar.ASP(stragglers="1:2.0", horizon=8)
+    four, two = trainer_for("mlp", "4x2", strategy=strategy), trainer_for("mlp", "2x4", strategy=strategy)
+    late = strategy.plan(four._ctx, 6)
+    assert strategy.plan(two._ctx, 6).inputs["participation"].shape == (2,)
+    assert late.inputs["participation"].shape == (4,)
+    np.testing.assert_array_equal(strategy.plan(four._ctx, 6).inputs["staleness"], late.inputs["staleness"])
+    fresh = jaxpar.ASP(stragglers="1:2.0", horizon=8)
+    assert [fresh.plan(four._ctx, n).host_metrics for n in range(8)] == \
+        [strategy.plan(four._ctx, n).host_metrics for n in range(8)]
+    sync = jaxpar.Sync(stragglers="1:2.0")
+    assert sync.plan(four._ctx, 3).host_metrics["sim_time"] == 8.0
+    assert sync.plan(trainer_for("mlp", "2x4", strategy=sync)._ctx, 3).host_metrics["sim_time"] == 8.0
+    assert jaxpar.Sync().plan(four._ctx, 3).host_metrics["sim_time"] == 4.0
+    assert sync.plan(four._ctx, 3).host_metrics["sim_time"] == 8.0
+
+
+def test_examples_count_only_contributing_replicas_under_asp():
+    trainer, _, history = train(jaxpar.ASP(stragglers="3:2.0", horizon=6), "4x2", steps=6)
+    assert [h["examples"] for h in history] == [16 * h["contributors"] / 4 for h in history]
+    assert [h["examples"] for h in history] == [12.0, 16.0, 12.0, 16.0, 12.0, 16.0]
+    from jaxpar.metrics import RunLogger
+    import io
+    logger = RunLogger(2, 16, 2, stream=io.StringIO())
+    logger.on_step(1, {"loss": 1.0, "examples": 12.0})
+    logger._last_time -= 1.0  # one second since the first record
+    logger.on_step(2, {"loss": 1.0, "examples": 4.0})
+    assert "4 samples/s" in logger.stream.getvalue().splitlines()[-1]
+
+
+class Counter(nnx.Variable):
+    """A user's own state (an EMA, a cache): never averaged across replicas."""
+
+
+class WithCounter(nnx.Module):
+    def __init__(self, rngs):
+        self.scale = nnx.Param(jnp.ones((4,)))
+        self.seen = Counter(jnp.zeros(()))
+        self.stat = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.seen[...] = x.sum()
+        self.stat[...] = x.sum()
+        return (x * self.scale).sum()
+
+
+def test_only_batch_statistics_are_averaged_across_replicas():
+    trainer = jaxpar.Trainer(WithCounter, lambda m, b: (m(b["x"]), {}), optax.sgd(0.0), jaxpar.make_mesh("8x1"),
+                             strategy=jaxpar.Sync("psum"))
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)  # replica r sees row r
+    state, _ = trainer.step(trainer.init(0), {"x": x})
+    stat = float(jax.device_get(state.model_state["stat"].get_value()))
+    seen = [float(s.data) for s in state.model_state["seen"].get_value().addressable_shards]
+    assert stat == pytest.approx(x.sum(axis=1).mean())  # BatchStat: the mean over replicas
+    assert seen == pytest.approx(list(x.sum(axis=1)))  # the user's variable: each replica keeps its own

@@ -37,7 +37,8 @@ def test_state_is_donated_and_metrics_include_loss_fn_metrics():
     trainer = trainer_for("mlp", "2x4")
     state = trainer.init(0)
     new_state, metrics = trainer.step(state, batch_for("mlp"))
-    assert set(metrics) == {"loss", "accuracy", "sim_time"}  # sim_time: the simulated clock (no stragglers: 1 per step)
+    # sim_time: the simulated clock (no stragglers: 1 per step); examples: how many examples the update applied
+    assert set(metrics) == {"loss", "accuracy", "sim_time", "examples"} and metrics["examples"] == 16
     assert jax.tree.leaves(state.params)[0].is_deleted()  # buffers reused in place
     assert int(new_state.step) == 1
 
@@ -51,7 +52,8 @@ def test_params_are_gathered_numpy():
 
 def test_batch_not_divisible_by_data_axis_is_a_clear_error():
     trainer = trainer_for("mlp", "4x2")
-    with pytest.raises(jaxpar.JaxparError, match=r"global batch size 10 does not divide by the data-axis size 4"):
+    with pytest.raises(jaxpar.JaxparError, match=r"global batch size 10 does not divide by the batch axes \(data x "
+                                                 r"fsdp = 4 devices\); use a multiple of 4"):
         trainer.step(trainer.init(0), batch_for("mlp", size=10))
 
 

@@ -11,8 +11,12 @@ A strategy is a small object of pure functions, in the spirit of optax's `Gradie
 - `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small per-step
   arrays it needs (participation flags, staleness indices) and host-side metrics (simulated time).
 
-Strategies keep no hidden state: `plan` is a pure function of the step number and the strategy's configuration
-(memoised), and everything on device lives in `TrainState`, so it is jitted, donated and checkpointed as one.
+Strategies keep no hidden state: `plan` is a pure function of (replica count, step number) and the strategy's
+configuration (memoised per replica count), and everything on device lives in `TrainState`, so it is jitted,
+donated and checkpointed as one.
+
+Each strategy also declares its facts as class attributes: `OPTIONS` (its config fields and their defaults) and
+`local_statistics` (replicas compute on their own slice, so BatchNorm statistics are per replica).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any, Callable, NamedTuple, Protocol
 import optax
 from jax.sharding import Mesh
 
+from jaxpar import mesh as mesh_lib
+from jaxpar.collectives import Communicator
 from jaxpar.step import LossFn, TrainState
 
 
@@ -30,23 +36,25 @@ class StepContext(NamedTuple):
 
     graphdef: Any  # the model's structure in train mode
     abstract_params: Any  # ShapeDtypeStructs of the params pytree
-    loss_fn: LossFn
+    loss_fn: LossFn  # in the three-argument form (model, batch, rngs)
     tx: optax.GradientTransformation
     mesh: Mesh
     param_shardings: Any  # NamedShardings of the params pytree
     model_state_shardings: Any  # NamedShardings of the non-parameter model state
     opt_shardings: Any  # NamedShardings of the optimizer state
     grad_accum: int = 1  # microbatches per update (gradient accumulation)
+    communicator: Communicator | None = None  # the strategy's averaging algorithm (None: the compiler's)
 
     @property
     def num_replicas(self) -> int:
-        return self.mesh.shape["data"]
+        return mesh_lib.replica_count(self.mesh)
 
 
 class Plan(NamedTuple):
     variant: str  # key into `steps(ctx)`
     inputs: dict = {}  # small arrays passed to the step as its third argument
     host_metrics: dict = {}  # floats reported with the step's metrics
+    work_fraction: float = 1.0  # share of the global batch whose gradient is applied (SSP / ASP: participants)
 
 
 StepFn = Callable[[TrainState, dict, dict], "tuple[TrainState, dict]"]

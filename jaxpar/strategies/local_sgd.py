@@ -1,8 +1,8 @@
 """Local SGD / periodic averaging, post-local SGD, and DiLoCo.
 
-Each data replica keeps its own parameters, model state and optimizer state (arrays with a leading replica
-dimension sharded over `data`, in `strategy_state`) and takes local steps with no communication at all. Every
-`period` steps the replicas meet:
+Each replica keeps its own parameters, model state and optimizer state (arrays with a leading replica dimension
+sharded over the replica axis, and over fsdp / model inside like the parameters, in `strategy_state`) and takes
+local steps with no communication at all. Every `period` steps the replicas meet:
 
 - `LocalSGD(period=H)`: parameters (and BatchNorm statistics) are averaged (Stich 2019; Lin et al. 2020).
   `local_after=K` is post-local SGD: the first K steps are ordinary synchronous SGD (gradients averaged, every
@@ -23,32 +23,29 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import allreduce_mean
 from jaxpar.errors import ConfigError
 from jaxpar.sharding import optimizer_shardings
-from jaxpar.step import apply_gradients, loss_and_grad
+from jaxpar.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.sync import SimulatedClock, as_stragglers, check_against_mesh, check_allreduce
+from jaxpar.strategies.common import SimulatedClock, StrategyBase
 
-SHARDED = P("data")
+SHARDED, BATCH = rep.SHARDED, rep.BATCH
 
 
-class LocalSGD:
+class LocalSGD(StrategyBase):
     name = "local_sgd"
     OPTIONS: dict = {"sync_period": 4, "local_after": 0}
     local_statistics = True
 
     def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
                  stragglers=None):
-        if not isinstance(period, int) or period < 1:
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ConfigError(f"--sync-period {period!r}: must be an integer >= 1 (1 = average after every step)")
-        if not isinstance(local_after, int) or local_after < 0:
+        if isinstance(local_after, bool) or not isinstance(local_after, int) or local_after < 0:
             raise ConfigError(f"--local-after {local_after!r}: must be an integer >= 0 (0 = local from the start)")
-        check_allreduce(allreduce, torus_x)
+        super().__init__(allreduce or "psum", torus_x, stragglers)
         self.period, self.local_after = period, local_after
-        self.allreduce, self.torus_x = allreduce, torus_x
-        self.stragglers = as_stragglers(stragglers)
         self.clock = SimulatedClock(self.stragglers, period, local_after)
 
     # --- state -----------------------------------------------------------------------------------------------
@@ -66,7 +63,7 @@ class LocalSGD:
         return state._replace(opt_state=self._anchor_opt_state(ctx, state.params), strategy_state=replica)
 
     def shardings(self, ctx, shardings):
-        check_against_mesh(ctx, self.stragglers, self.allreduce, self.torus_x)
+        self.check_against_mesh(ctx)
         replica = {"params": rep.stacked_shardings(shardings.params),
                    "opt_state": rep.stacked_shardings(shardings.opt_state),
                    "model_state": rep.stacked_shardings(shardings.model_state)}
@@ -86,66 +83,65 @@ class LocalSGD:
     def steps(self, ctx):
         return {"local": self._local_step(ctx), "meet": self._meet_step(ctx), "sync": self._sync_step(ctx)}
 
-    def _replica_update(self, ctx, replica, batch, average_grads: bool):
-        loss, metrics, model_state, grads = loss_and_grad(
-            ctx.graphdef, ctx.loss_fn, replica["params"], replica["model_state"], batch, ctx.grad_accum)
-        if average_grads:
-            grads = rep.average_params_like(ctx, grads, self.allreduce, self.torus_x)
+    def _replica_update(self, ctx, replica, batch, key, average: bool, comm_state=()):
+        grads, model_state, metrics, comm_state = rep.replica_step(
+            ctx, replica["params"], replica["model_state"], batch, key, average=average, comm_state=comm_state)
         params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)
-        return {"params": params, "opt_state": opt_state, "model_state": model_state}, {"loss": loss, **metrics}
+        return {"params": params, "opt_state": opt_state, "model_state": model_state}, metrics, comm_state
 
     def _local_step(self, ctx):
-        def own(replica, batch):
-            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=False)
-            return rep.as_own(replica), rep.as_own(metrics)
+        def own(replica, batch, key):
+            replica, metrics, _ = self._replica_update(ctx, rep.take_own(replica), batch, key, average=False)
+            return rep.as_own(replica), metrics
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SHARDED), out_specs=(SHARDED, SHARDED))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, P()))
 
         def step(state, batch, inputs):
-            replica, metrics = sharded(state.strategy_state, batch)  # no collective on parameters (only metric means)
-            return state._replace(step=state.step + 1, strategy_state=replica), _mean_over_replicas(metrics)
+            # no collective on parameters (only the scalar metric means)
+            replica, metrics = sharded(state.strategy_state, batch, step_key(state))
+            return state._replace(step=state.step + 1, strategy_state=replica), metrics
 
         return step
 
     def _sync_step(self, ctx):
-        def own(replica, anchor_model_state, batch):
-            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=True)
-            model_state = rep.mean_float_state(replica["model_state"], self.allreduce, self.torus_x)
-            replica["model_state"] = model_state
-            anchor = (replica["params"], rep.unfold_rng_keys(model_state, anchor_model_state))
-            metrics = allreduce_mean(metrics, "data", "psum")
-            return rep.as_own(replica), anchor, metrics
+        def own(replica, anchor_model_state, batch, key, comm_state):
+            replica, metrics, comm_state = self._replica_update(ctx, rep.take_own(replica), batch, key, True,
+                                                                comm_state)
+            anchor = (replica["params"], rep.unfold_rng_keys(replica["model_state"], anchor_model_state))
+            return rep.as_own(replica), anchor, metrics, comm_state
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), SHARDED), out_specs=(SHARDED, P(), P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), BATCH, P(), P()),
+                                  out_specs=(SHARDED, P(), P(), P()))
 
         def step(state, batch, inputs):
-            replica, (params, model_state), metrics = sharded(state.strategy_state, state.model_state, batch)
+            replica, (params, model_state), metrics, comm_state = sharded(
+                state.strategy_state, state.model_state, batch, step_key(state), state.comm_state)
             return state._replace(step=state.step + 1, params=params, model_state=model_state,
-                                  strategy_state=replica), metrics
+                                  strategy_state=replica, comm_state=comm_state), metrics
 
         return step
 
     def _meet_step(self, ctx):
-        def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch):
-            replica, metrics = self._replica_update(ctx, rep.take_own(replica), batch, average_grads=False)
-            mean_params = rep.average_params_like(ctx, replica["params"], self.allreduce, self.torus_x)
+        def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch, key, comm_state):
+            replica, metrics, _ = self._replica_update(ctx, rep.take_own(replica), batch, key, average=False)
+            mean_params, comm_state = rep.mean_params_like(ctx, replica["params"], comm_state)
             distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
-            divergence = distance / jnp.sqrt(rep.tree_sq_norm(mean_params))
+            divergence = rep.native_mean(distance / jnp.sqrt(rep.tree_sq_norm(mean_params)))
             params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params)
-            model_state = rep.mean_float_state(replica["model_state"], self.allreduce, self.torus_x)
+            model_state = rep.mean_batch_stats(replica["model_state"])
             replica = {"params": params, "opt_state": replica["opt_state"], "model_state": model_state}
-            metrics = allreduce_mean({**metrics, "replica_divergence": divergence}, "data", "psum")
             anchor = (params, opt_state, rep.unfold_rng_keys(model_state, anchor_model_state))
-            return rep.as_own(replica), anchor, metrics
+            return rep.as_own(replica), anchor, {**metrics, "replica_divergence": divergence}, comm_state
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), SHARDED),
-                                  out_specs=(SHARDED, P(), P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), BATCH, P(), P()),
+                                  out_specs=(SHARDED, P(), P(), P()))
 
         def step(state, batch, inputs):
-            replica, (params, opt_state, model_state), metrics = sharded(
-                state.strategy_state, state.params, state.opt_state, state.model_state, batch)
+            replica, (params, opt_state, model_state), metrics, comm_state = sharded(
+                state.strategy_state, state.params, state.opt_state, state.model_state, batch, step_key(state),
+                state.comm_state)
             return state._replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
-                                  strategy_state=replica), metrics
+                                  strategy_state=replica, comm_state=comm_state), metrics
 
         return step
 
@@ -160,7 +156,8 @@ class DiLoCo(LocalSGD):
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers)
-        self.outer_tx = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
+        self.outer_tx = outer_optimizer or optax.sgd(self.OPTIONS["outer_lr"],
+                                                     momentum=self.OPTIONS["outer_momentum"], nesterov=True)
 
     def _anchor_opt_state(self, ctx, params):
         return self.outer_tx.init(params)
@@ -172,7 +169,3 @@ class DiLoCo(LocalSGD):
     def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
         pseudo_grad = jax.tree.map(jnp.subtract, anchor_params, mean_params)
         return apply_gradients(self.outer_tx, anchor_params, anchor_opt_state, pseudo_grad)
-
-
-def _mean_over_replicas(metrics):
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0), metrics)

@@ -1,8 +1,14 @@
-"""Per-replica plumbing shared by the explicit-collective strategies.
+"""Per-replica plumbing shared by the explicit-collective strategies, and the ONE per-replica step body.
 
-Inside `per_replica(...)` (a `jax.shard_map` manual over `data` only) each data replica runs its own copy of the
-code on its slice of the batch, while the `model` axis stays with the compiler, so tensor parallelism keeps working
-unchanged. Per-replica copies of parameters live in arrays with a leading replica dimension sharded over `data`.
+Inside `per_replica(...)` (a `jax.shard_map` manual over the replica axis only) each replica runs its own copy of
+the code on its slice of the batch, while the within-replica axes (fsdp, model) stay with the compiler, so FSDP and
+tensor parallelism keep working unchanged. Per-replica copies of parameters live in arrays with a leading replica
+dimension sharded over the replica axis (and over fsdp / model inside, like the parameters).
+
+`replica_step` is the body every explicit strategy shares (Sync with a hand-written allreduce, LocalSGD / DiLoCo,
+SSP / ASP): fold the replica index into the keys, loss and gradient on the replica's slice, average the gradient
+over the replicas (optionally only over the participating ones), restore the keys, average BatchNorm statistics,
+mean the metrics.
 """
 
 from __future__ import annotations
@@ -13,38 +19,80 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.collectives import allreduce_mean
+from jaxpar import mesh as mesh_lib
 from jaxpar.sharding import is_variable
+from jaxpar.step import loss_and_grad
+
+AXIS = mesh_lib.REPLICA_AXIS
+SHARDED = mesh_lib.replica_spec()  # one entry per replica
+BATCH = mesh_lib.replica_batch_spec()  # the batch's rows, one slice per replica
 
 
 def per_replica(ctx, fn, in_specs, out_specs):
-    """`fn` runs once per data replica; `model` stays automatic.
+    """`fn` runs once per replica; the within-replica axes stay automatic.
 
     `check_vma=False`: results averaged by the hand-written collectives are replicated in value, but only a native
     collective lets shard_map's type check prove it.
     """
-    return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={"data"},
+    return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS},
                          check_vma=False)
 
 
-def average_params_like(ctx, tree, algorithm: str, torus_x=None):
-    """Mean over `data` of a params-shaped tree (gradients, parameters), on each device's own `model` shard.
+def mean_params_like(ctx, tree, comm_state=()):
+    """Mean over replicas of a params-shaped tree (gradients, parameters), each device on its own shard.
 
-    The hand-written algorithms fuse leaves into one flat buffer; done on the global (model-sharded) arrays, that
-    flattening would first all-gather every tensor-parallel leaf over `model`. A nested shard_map manual over `model`
-    makes each device fuse and send only its shard: the bytes over `data` shrink by the model-axis size.
+    The hand-written algorithms fuse leaves into one flat buffer; done on the global (fsdp / model-sharded) arrays,
+    that flattening would first all-gather every sharded leaf. A nested shard_map manual over every within-replica
+    axis makes each device fuse and send only its own shard: the bytes over the replica axis shrink by the
+    within-replica sharding.
     """
-    if algorithm == "psum" or ctx.mesh.shape["model"] == 1:
-        return allreduce_mean(tree, "data", algorithm, torus_x=torus_x)
-    specs = jax.tree.map(lambda s: P(*[axis if axis == "model" else None for axis in s.spec]), ctx.param_shardings,
+    comm = ctx.communicator
+    if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
+        return comm.mean(tree, comm_state, AXIS)
+    specs = jax.tree.map(lambda s: mesh_lib.keep_within_replica(s.spec), ctx.param_shardings,
                          is_leaf=lambda x: isinstance(x, NamedSharding))
-    # no `mesh=`: inside the outer shard_map the context mesh (data already manual) is the one to use
-    return jax.shard_map(lambda t: allreduce_mean(t, "data", algorithm, torus_x=torus_x), in_specs=(specs,),
-                         out_specs=specs, axis_names={"model"}, check_vma=False)(tree)
+    state_specs = jax.tree.map(lambda _: P(), comm_state)
+    # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
+    return jax.shard_map(lambda t, s: comm.mean(t, s, AXIS), in_specs=(specs, state_specs),
+                         out_specs=(specs, state_specs), axis_names=set(mesh_lib.WITHIN_REPLICA_AXES),
+                         check_vma=False)(tree, comm_state)
 
 
 def replica_index():
-    return lax.axis_index("data")
+    return lax.axis_index(AXIS)
+
+
+def participants(weight):
+    """How many replicas have weight > 0: an integer sum, exact for any replica count."""
+    return lax.psum((weight > 0).astype(jnp.int32), AXIS)
+
+
+def mean_over(ctx, tree, weight=None, params_like=False, comm_state=()):
+    """Mean over replicas; with `weight` (this replica's participation), the mean over participants only.
+
+    Non-participants are masked with a select, not a multiply: a non-finite value of a replica that does not
+    take part must not leak into the mean (0 x NaN = NaN).
+    """
+    if weight is not None:
+        tree = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
+    if params_like:
+        tree, comm_state = mean_params_like(ctx, tree, comm_state)
+    else:
+        tree, comm_state = ctx.communicator.mean(tree, comm_state, AXIS)
+    if weight is not None:
+        scale = ctx.num_replicas / jnp.maximum(participants(weight), 1).astype(jnp.float32)
+        tree = jax.tree.map(lambda x: (x * scale).astype(x.dtype), tree)
+    return tree, comm_state
+
+
+def native_mean(tree, weight=None):
+    """Mean over (participating) replicas with XLA's own all-reduce: for metrics and BatchNorm statistics, which are
+    small and must not go through a (possibly lossy, stateful) gradient communicator."""
+    if weight is None:
+        return lax.pmean(tree, AXIS)
+    masked = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
+    count = jnp.maximum(participants(weight), 1).astype(jnp.float32)
+    return jax.tree.map(lambda x: (lax.psum(x, AXIS) / count).astype(x.dtype), masked)
 
 
 def _map_rng_keys(fn, model_state):
@@ -64,15 +112,50 @@ def unfold_rng_keys(new_model_state, original_model_state):
     return _map_rng_keys(lambda v: next(originals), new_model_state)
 
 
-def mean_float_state(model_state, algorithm: str, torus_x=None):
-    """Averages floating-point model state (BatchNorm statistics) over replicas so that they stay identical."""
-    leaves, treedef = jax.tree.flatten(model_state)
-    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if floats:
-        averaged = allreduce_mean([leaves[i] for i in floats], "data", algorithm, torus_x=torus_x)
-        for i, x in zip(floats, averaged):
-            leaves[i] = x
+def mean_batch_stats(model_state, weight=None):
+    """Averages BatchNorm statistics (and nothing else: a user's EMA or cache stays per replica) over replicas."""
+    leaves, treedef = jax.tree.flatten(model_state, is_leaf=is_variable)
+    stats = [i for i, v in enumerate(leaves) if isinstance(v, nnx.BatchStat)
+             and jnp.issubdtype(v.get_value().dtype, jnp.floating)]
+    if stats:
+        averaged = native_mean([leaves[i].get_value() for i in stats], weight)
+        for i, value in zip(stats, averaged):
+            leaves[i] = leaves[i].replace(value)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, weight=None, comm_state=()):
+    """The per-replica step body, inside `per_replica`. Returns (grads, model_state, metrics, comm_state).
+
+    `key` is the step's typed key; this replica's key is `fold_in(key, replica index)`, and model-owned RNG keys
+    are folded the same way (and restored afterwards, so the state stays replica-independent). `average=False`
+    (local SGD's local step): the gradient and BatchNorm statistics stay this replica's own.
+    """
+    batch = _within_replica_batch(ctx, batch)
+    index = replica_index()
+    own_state = fold_rng_keys(model_state, index)
+    loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, params, own_state, batch,
+                                                    jax.random.fold_in(key, index), ctx.grad_accum)
+    new_state = unfold_rng_keys(new_state, model_state)
+    if average:
+        grads, comm_state = mean_over(ctx, grads, weight, params_like=True, comm_state=comm_state)
+        new_state = mean_batch_stats(new_state, weight)
+    return grads, new_state, native_mean({"loss": loss, **metrics}, weight), comm_state
+
+
+def _within_replica_batch(ctx, batch):
+    """The replica's slice, as its devices hold it.
+
+    With both fsdp and model larger than 1, letting the compiler keep the slice's rows split over fsdp inside the
+    replica-manual shard_map crashes XLA's SPMD partitioner (jax 0.10.2: "Check failed: partition_group_list..."
+    in ExpandDeviceGroupsWithIota, for any model with a tensor-parallel embedding lookup). Replicating the slice
+    over the replica's devices avoids it: each fsdp device then computes the whole replica slice (parameters and
+    optimizer state stay sharded: the ZeRO-3 memory saving holds, the fsdp compute split does not). Sync() without
+    an explicit allreduce is not affected.
+    """
+    if mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1 and mesh_lib.size(ctx.mesh, mesh_lib.TENSOR_AXIS) > 1:
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), batch)
+    return batch
 
 
 def stack(tree, count: int):
@@ -90,10 +173,10 @@ def as_own(tree):
 
 
 def stacked_shardings(shardings):
-    """The sharding of a per-replica copy: leading dimension over `data`, the rest as before."""
+    """The sharding of a per-replica copy: leading dimension over the replica axis, the rest as before."""
 
     def one(sharding):
-        return NamedSharding(sharding.mesh, P("data", *sharding.spec))
+        return NamedSharding(sharding.mesh, mesh_lib.replica_spec(*sharding.spec))
 
     return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 

@@ -24,16 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.collectives import allreduce_mean
 from jaxpar.errors import ConfigError, JaxparError
-from jaxpar.step import apply_gradients, loss_and_grad
+from jaxpar.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
+from jaxpar.strategies.common import StrategyBase
 from jaxpar.strategies.simulator import simulate_ps
-from jaxpar.strategies.sync import as_stragglers, check_against_mesh, check_allreduce
 
 
-class SSP:
+class SSP(StrategyBase):
     name = "ssp"
     OPTIONS: dict = {"staleness": 2}
     local_statistics = True
@@ -42,33 +41,34 @@ class SSP:
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
         if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
             raise ConfigError(f"--staleness {staleness!r}: must be an integer >= 0 (0 = BSP = sync SGD)")
-        if not isinstance(horizon, int) or horizon < 1:
+        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
             raise ConfigError(f"horizon {horizon!r}: must be an integer >= 1 (the number of updates to plan)")
-        check_allreduce(allreduce, torus_x)
+        super().__init__(allreduce or "psum", torus_x, stragglers)
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
-        self.allreduce, self.torus_x = allreduce, torus_x
-        self.stragglers = as_stragglers(stragglers)
-        self._schedule, self._buffer = None, None
+        self._schedules: dict[int, list] = {}  # replica count -> simulated updates (only ever extended)
+        self._buffers: dict[int, int] = {}  # replica count -> B
 
-    # --- host-side schedule -------------------------------------------------------------------------------------
+    # --- host-side schedule (pure functions of the replica count, memoised) --------------------------------------
     def schedule(self, num_replicas: int, updates: int):
-        """The simulated updates (memoised; a longer request re-simulates, and the prefix is identical)."""
-        if self._schedule is None or len(self._schedule) < updates:  # grows geometrically past the horizon
-            length = max(updates, self.horizon, 2 * len(self._schedule or ()))
-            self._schedule = simulate_ps(self.stragglers, num_replicas, self.bound, length)
-        return self._schedule
+        """The simulated updates; a longer request re-simulates, and the prefix is identical."""
+        known = self._schedules.get(num_replicas, [])
+        if len(known) < updates:  # grows geometrically past the horizon
+            length = max(updates, self.horizon, 2 * len(known))
+            known = self._schedules[num_replicas] = simulate_ps(self.stragglers, num_replicas, self.bound, length)
+        return known
 
     def buffer_size(self, num_replicas: int) -> int:
-        """B, fixed once: S + 1 for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
-        if self._buffer is None:
+        """B: S + 1 for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
+        if num_replicas not in self._buffers:
             horizon = self.schedule(num_replicas, self.horizon)[:self.horizon]
-            self._buffer = self.bound + 1 if self.bound is not None else int(
+            self._buffers[num_replicas] = self.bound + 1 if self.bound is not None else int(
                 max(u.staleness.max() for u in horizon)) + 1
-        return self._buffer
+        return self._buffers[num_replicas]
 
     def plan(self, ctx, step_number: int) -> Plan:
-        update = self.schedule(ctx.num_replicas, step_number + 1)[step_number]
-        buffer = self.buffer_size(ctx.num_replicas)
+        replicas = ctx.num_replicas
+        update = self.schedule(replicas, step_number + 1)[step_number]
+        buffer = self.buffer_size(replicas)
         stale = update.staleness[update.participants]
         if stale.max() >= buffer:
             raise JaxparError(f"{self.name}: update {step_number} needs a version {stale.max()} updates old but the "
@@ -77,7 +77,8 @@ class SSP:
                   "staleness": update.staleness.astype(np.int32)}
         return Plan("update", inputs, {"sim_time": update.sim_time, "staleness_mean": float(stale.mean()),
                                        "staleness_max": float(stale.max()), "contributors": float(len(stale)),
-                                       "version_buffer": float(buffer)})
+                                       "version_buffer": float(buffer)},
+                    work_fraction=len(stale) / replicas)
 
     # --- state ---------------------------------------------------------------------------------------------------
     def init(self, ctx, state):
@@ -86,7 +87,7 @@ class SSP:
         return state._replace(strategy_state={"versions": versions, "version": jnp.zeros((), jnp.int32)})
 
     def shardings(self, ctx, shardings):
-        check_against_mesh(ctx, self.stragglers, self.allreduce, self.torus_x)
+        self.check_against_mesh(ctx)
         buffer = self.buffer_size(ctx.num_replicas)
         self._check_memory(ctx, buffer)
         versions = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), shardings.params,
@@ -105,43 +106,27 @@ class SSP:
 
     # --- the server update ---------------------------------------------------------------------------------------
     def steps(self, ctx):
-        buffer, algorithm, torus_x = self.buffer_size(ctx.num_replicas), self.allreduce, self.torus_x
-        replicas = ctx.num_replicas
+        buffer = self.buffer_size(ctx.num_replicas)
 
-        def weighted_mean(tree, weight, count, params_like=False):  # mean over the participating replicas only
-            weighted = jax.tree.map(lambda x: x * weight, tree)
-            summed = (rep.average_params_like(ctx, weighted, algorithm, torus_x) if params_like
-                      else allreduce_mean(weighted, "data", algorithm, torus_x=torus_x))
-            return jax.tree.map(lambda x: x * (replicas / count), summed)
-
-        def own(versions, version, model_state, batch, participation, staleness):
-            weight = participation[0]
-            count = allreduce_mean(weight, "data", "psum") * replicas
+        def own(versions, version, model_state, batch, key, participation, staleness, comm_state):
             read = jax.tree.map(lambda buf: buf[(version - staleness[0]) % buffer], versions)
-            own_state = rep.fold_rng_keys(model_state, rep.replica_index())
-            loss, metrics, new_state, grads = loss_and_grad(
-                ctx.graphdef, ctx.loss_fn, read, own_state, batch, ctx.grad_accum)
-            grads = weighted_mean(grads, weight, count, params_like=True)
-            new_state = rep.unfold_rng_keys(new_state, model_state)
-            floats = {k: v for k, v in enumerate(jax.tree.leaves(new_state)) if jnp.issubdtype(v.dtype, jnp.floating)}
-            averaged = weighted_mean(floats, weight, count) if floats else {}
-            leaves = [averaged.get(k, v) for k, v in enumerate(jax.tree.leaves(new_state))]
-            new_state = jax.tree.unflatten(jax.tree.structure(new_state), leaves)
-            metrics = weighted_mean({"loss": loss, **metrics}, weight, count)
-            return grads, new_state, metrics
+            return rep.replica_step(ctx, read, model_state, batch, key, weight=participation[0],
+                                    comm_state=comm_state)
 
-        sharded = rep.per_replica(ctx, own, in_specs=(P(), P(), P(), P("data"), P("data"), P("data")),
-                                  out_specs=(P(), P(), P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(P(), P(), P(), rep.BATCH, P(), rep.SHARDED, rep.SHARDED, P()),
+                                  out_specs=(P(), P(), P(), P()))
 
         def step(state, batch, inputs):
             versions, version = state.strategy_state["versions"], state.strategy_state["version"]
-            grads, model_state, metrics = sharded(versions, version, state.model_state, batch,
-                                                  inputs["participation"], inputs["staleness"])
+            grads, model_state, metrics, comm_state = sharded(
+                versions, version, state.model_state, batch, step_key(state), inputs["participation"],
+                inputs["staleness"], state.comm_state)
             params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
             slot = (version + 1) % buffer
             versions = jax.tree.map(lambda buf, p: buf.at[slot].set(p), versions, params)
             return state._replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
-                                  strategy_state={"versions": versions, "version": version + 1}), metrics
+                                  strategy_state={"versions": versions, "version": version + 1},
+                                  comm_state=comm_state), metrics
 
         return {"update": step}
 

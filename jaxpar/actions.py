@@ -1,0 +1,101 @@
+"""Periodic host actions that `Trainer.fit` runs when a step's metrics are ready: logging, evaluation, your own.
+
+An action is any object with `every` (steps between calls; 0 = only at the end), `at_end` (also after the last
+step of the `fit` call), `needs_state` (it reads the train state: `fit` then runs it before the next step is
+dispatched, since that step donates the state) and `__call__(event)`. `fit` calls it with a `StepEvent`.
+
+    class PrintLoss(jaxpar.Action):
+        every = 100
+        def __call__(self, event):
+            print(event.step, event.metrics["loss"])
+
+    state = trainer.fit(state, batches, steps=1000, actions=[PrintLoss(), jaxpar.actions.Evaluate(fn, every=500)])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+
+class StepEvent(NamedTuple):
+    step: int  # updates applied so far (1 after the first step)
+    metrics: dict  # that step's metrics as host floats
+    state: Any  # the train state after that step (None unless the action `needs_state`)
+    trainer: Any  # the Trainer running `fit`
+    last: bool  # the last step of this `fit` call
+
+
+class Action:
+    """Base class; subclasses set `every` / `at_end` / `needs_state` and implement `__call__`."""
+
+    every: int = 1
+    at_end: bool = False
+    needs_state: bool = False
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.every and step % self.every == 0) or (self.at_end and last)
+
+    def __call__(self, event: StepEvent) -> None:
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        return type(self).__name__
+
+
+class OnStep(Action):
+    """Calls `fn(step, metrics)` after every step (the `on_step=` argument of `fit`)."""
+
+    def __init__(self, fn: Callable[[int, dict], None]):
+        self.fn = fn
+
+    def __call__(self, event):
+        self.fn(event.step, event.metrics)
+
+    @property
+    def label(self) -> str:
+        return getattr(self.fn, "__name__", "on_step")
+
+
+class Log(Action):
+    """Progress lines and JSONL records through a `jaxpar.metrics.RunLogger` (which picks the steps it prints)."""
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def __call__(self, event):
+        self.logger.on_step(event.step, event.metrics)
+
+
+class Evaluate(Action):
+    """Every `every` steps (and at the end, unless `at_end=False`): `results = evaluate(trainer, state)` (a dict of
+    floats), then `on_result(step, results)`."""
+
+    needs_state = True
+
+    def __init__(self, evaluate: Callable, every: int = 0, on_result: Callable[[int, dict], None] | None = None,
+                 at_end: bool = True):
+        self.evaluate, self.every, self.on_result, self.at_end = evaluate, every, on_result, at_end
+        self.history: list[tuple[int, dict]] = []
+
+    def __call__(self, event):
+        results = self.evaluate(event.trainer, event.state)
+        self.history.append((event.step, results))
+        if self.on_result is not None:
+            self.on_result(event.step, results)
+
+
+class StopIfDiverged(Action):
+    """Ends training (a `TrainingDiverged` error) when the loss is not finite; `hint(loss, step)` words the advice."""
+
+    def __init__(self, hint: Callable[[float, int], str] | None = None):
+        self.hint = hint
+
+    def __call__(self, event):
+        loss = event.metrics.get("loss", 0.0)
+        if not math.isfinite(loss):
+            from jaxpar.errors import TrainingDiverged
+
+            advice = self.hint(loss, event.step) if self.hint else "lower the learning rate"
+            raise TrainingDiverged(f"training diverged: loss is {loss} at step {event.step}; {advice}")
