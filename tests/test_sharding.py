@@ -74,3 +74,46 @@ def test_unnamed_and_unruled_dimensions_are_replicated():
     assert spec_for(("embed", "unknown", None), DEFAULT_RULES, mesh, "x", (4, 4, 4)) == P(None, None, None)
     assert spec_for(None, DEFAULT_RULES, mesh, "x") == P()
     assert math.prod(mesh.devices.shape) == 8
+
+
+# Flax's lm1b example rules, with its mesh-axis names translated to jaxpar's ("tensor" -> "model").
+LM1B_RULES = [("activation_batch", ("data", "fsdp")), ("activation_length", None), ("activation_embed", "model"),
+              ("activation_mlp", "model"), ("activation_heads", "model"), ("activation_kv", None),
+              ("activation_vocab", "model"), ("mlp", "model"), ("vocab", "model"), ("embed", "fsdp"),
+              ("heads", "model"), ("kv", None)]
+
+
+def test_flax_list_rules_take_the_first_rule_whose_mesh_axis_is_still_free():
+    mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
+    rules = [("embed", "fsdp"), ("embed", "model"), ("mlp", "model")]
+    assert spec_for(("embed", "mlp"), rules, mesh, "x", (4, 4)) == P("fsdp", "model")
+    assert spec_for(("embed", "embed"), rules, mesh, "x", (4, 4)) == P("fsdp", "model")  # second: next free rule
+    assert spec_for(("mlp", "embed", "embed"), rules, mesh, "x", (4, 4, 4)) == P("model", "fsdp", None)  # none free
+    with pytest.raises(jaxpar.ShardingError, match=r"dimensions 0 \('embed'\) and 1 \('embed'\) both map to mesh "
+                                                   r"axis 'fsdp'"):
+        spec_for(("embed", "embed"), {"embed": "fsdp"}, mesh, "x", (4, 4))  # a dict keeps its strict meaning
+
+
+def test_lm1b_rules_work_unchanged_in_form_and_train_like_the_defaults():
+    import numpy as np
+    losses = {}
+    for rules in (None, LM1B_RULES):
+        trainer = trainer_for("transformer", "data=2,fsdp=2,model=2", rules=rules)
+        state = trainer.init(0)
+        assert state.params["blocks"][0]["attn"]["qkv"]["kernel"].sharding.spec == P("fsdp", None, "model", None)
+        assert state.params["token_embed"]["embedding"].sharding.spec == P("model", "fsdp")
+        from tests.helpers import batch_for
+        state, metrics = trainer.step(state, batch_for("transformer"))
+        losses[rules is None] = float(metrics["loss"])
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+
+
+def test_names_no_rule_mentions_are_reported_once():
+    typo = {**DEFAULT_RULES, "mlp": None}
+    del typo["mlp"]
+    trainer = trainer_for("mlp", "2x4", rules={**typo, "mpl": "model"})
+    notes = trainer.notes
+    assert len([n for n in notes if "appear in the model but in no sharding rule" in n]) == 1
+    assert "logical axis names mlp appear" in notes[0]
+    assert trainer.init(0).params["hidden"]["kernel"].sharding.spec == P(None, None)  # replicated, as it says
+    assert trainer_for("mlp", "2x4").notes == []
