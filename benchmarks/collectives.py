@@ -35,13 +35,15 @@ parameters for the forward pass, again for the backward pass, and reduce-scatter
 (N-1)/N of the gathered bytes per device on a ring, so theory = 3 x (N-1)/N x P_f, where P_f = the sum, over the
 parameters whose sharding names the fsdp axis, of (bytes / split over the other axes) = N x the bytes of their
 shard on one device: what one fsdp group gathers (a parameter also split over `model` counts 1/model of its
-bytes). Measured: every collective whose replica groups span the fsdp axis (and no other), sent bytes per device
-on a ring from its result bytes R and group size g: all-gather (g-1)/g R, reduce-scatter (g-1) R, all-reduce
-2(g-1)/g R, all-to-all (g-1)/g R. "AG x" and "RS x" say how many times P_f those collectives gathered and
-reduced (AG result bytes / P_f, RS result bytes x N / P_f): 2 and 1 is textbook ZeRO-3; XLA may keep the forward
-gather for the backward pass (AG x = 1). Collectives over other axis sets (data-axis gradient all-reduces,
-tensor-parallel activation all-reduces over `model`, or one op over data and fsdp together) are listed per mesh
-below the table, not counted as fsdp traffic.
+bytes). Measured: every collective whose replica groups span the fsdp axis alone, as bytes sent per device on
+a ring from its result bytes R and group size g: all-gather (g-1)/g R, reduce-scatter (g-1) R, all-reduce
+2(g-1)/g R, all-to-all (g-1)/g R; split into parameters + gradients (results shaped like a parameter gathered
+over fsdp, or like its shard for a reduce-scatter; dims compared as sorted tuples) and the rest (activations).
+"params gathered" and "grads reduced" say how many times P_f those parameter-shaped collectives moved: 2 gathers
+and 1 reduce-scatter is textbook ZeRO-3; XLA may keep the forward gather for the backward pass (1 gather), or
+all-reduce a gradient and slice it (AR: twice the bytes of a reduce-scatter). Collectives over other axis sets
+(data-axis gradient all-reduces, tensor-parallel all-reduces over `model`, one op over data and fsdp together)
+are listed per mesh below the table, not counted as fsdp traffic.
 """
 
 import argparse

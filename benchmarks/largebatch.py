@@ -42,7 +42,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxpar  # noqa: E402
-from jaxpar.mesh import parse_mesh_spec  # noqa: E402
+from jaxpar.mesh import batch_ways, parse_mesh_spec  # noqa: E402
 
 TRAIN_SIZE = 1497  # digits training split (jaxpar.data.load_digits)
 TEST_EVAL = 296  # first 296 of the 300 test digits: divides by a data axis of 1, 2, 4 or 8
@@ -106,7 +106,7 @@ def main():
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out {args.out!r}: its folder does not exist")
     try:
-        data_axis = parse_mesh_spec(args.mesh)[0]
+        data_axis = math.prod(parse_mesh_spec(args.mesh)[:2])  # data x fsdp: the batch axes (negative: -1 given)
     except jaxpar.MeshError as error:
         parser.error(str(error))
     for batch in batches:
@@ -115,7 +115,7 @@ def main():
         if data_axis > 0 and batch % data_axis:
             parser.error(f"--batches: {batch} does not divide by the data-axis size {data_axis} (--mesh {args.mesh})")
     mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
-    data_axis = mesh.shape["data"]
+    data_axis = batch_ways(mesh)
     if TEST_EVAL % data_axis or TRAIN_EVAL % data_axis:
         parser.error(f"--mesh {args.mesh}: data axis {data_axis} does not divide the {TEST_EVAL} test examples")
 
@@ -167,7 +167,7 @@ def main():
 
                     state = trainer.init(seed)
                     state = trainer.fit(state, data.Batches(data.ArraySource(train), batch, seed,
-                                                            "digits training split"), steps, on_step)
+                                                            "digits training split"), steps, on_step=on_step)
                     held = jax.device_get(trainer.evaluate(state, test_batch))
                     fitted = jax.device_get(trainer.evaluate(state, train_batch))
                     run = {"model": args.model, "mesh": args.mesh, "batch_size": batch, "recipe": recipe,

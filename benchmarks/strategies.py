@@ -88,7 +88,7 @@ def make_task(name):
 
     config = jaxpar.Config(model="transformer", dropout=0.0, layers=1, d_model=64, heads=4, d_ff=256, seq_len=64,
                            batch_size=32)
-    train_tokens, val_tokens = data.split_text(data.load_text(max_bytes=1 << 20))
+    train_tokens, val_tokens = data.split_text(data.load_text(max_bytes=1 << 20), seq_len=config.seq_len)
     val_batches = [b for _, b in zip(range(4), data.text_batches(val_tokens, config.batch_size, config.seq_len, 1))]
 
     def held_out(trainer, state):
@@ -134,7 +134,7 @@ def run_strategy(task, label, strategy, mesh, steps, task_parts):
     state = trainer.init(0)
     jax.block_until_ready(state)
     started = time.perf_counter()
-    state = trainer.fit(state, batches(0), steps, on_step)
+    state = trainer.fit(state, batches(0), steps, on_step=on_step)
     wall = time.perf_counter() - started
     for record, value in zip(records, smoothed([r["loss"] for r in records])):
         record["smoothed_loss"] = value

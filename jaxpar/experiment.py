@@ -105,10 +105,13 @@ def train(config: Config) -> dict:
           f"{config.batch_ramp or config.batch_size} ({size_at(0) // replicas} per replica at first); strategy "
           f"{config.strategy}{bn}; {config.steps} steps", flush=True)
 
-    host_lrs = schedule  # evaluated per logged step on the host
+    host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
     logger = RunLogger(config.steps, size_at, config.log_every, config.metrics)
 
-    class Extras(actions.Action):  # lr and batch size of the step, for the log (before the Log action)
+    class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
+        def due(self, step, last):
+            return step == 1 or step % config.log_every == 0 or last
+
         def __call__(self, event):
             event.metrics.update(lr=float(host_lrs(event.step - 1)), batch_size=float(size_at(event.step - 1)))
 
