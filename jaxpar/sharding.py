@@ -214,6 +214,21 @@ def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, pa
                                  transform_non_params=lambda _: replicated(mesh), is_leaf=is_variable)
 
 
+def gathered_over(shardings, axis: str):
+    """The shardings with `axis` dropped from every spec: the layout a parameter is used in under ZeRO-3 (whole over
+    fsdp, still split over model), while it is stored as `shardings` say."""
+
+    def one(sharding):
+        def keep(entry):
+            names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+            kept = tuple(a for a in names if a != axis)
+            return kept[0] if len(kept) == 1 else (kept or None)
+
+        return NamedSharding(sharding.mesh, P(*(keep(e) for e in sharding.spec)))
+
+    return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -9,3 +9,15 @@ if "xla_force_host_platform_device_count" not in flags:
 import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, f"tests need 8 CPU devices, got {jax.devices()}"
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# Many tests build identical trainers (the same model, mesh and strategy): JAX's persistent compilation cache,
+# keyed by the compiled program, lets later ones skip XLA compilation. A fresh folder per session: nothing stale.
+_cache = tempfile.mkdtemp(prefix="jaxpar-test-cache-")
+atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
