@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.machinery
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -26,6 +28,7 @@ from typing import Any
 
 from jaxpar import strategies as strategies_lib
 from jaxpar.collectives import ALLREDUCE_ALGORITHMS
+from jaxpar.data import path_kind
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import parse_mesh_spec
 from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
@@ -118,11 +121,70 @@ def _channels_check(name, value):
 
 
 def _metrics_check(name, path):
-    parent = os.path.dirname(os.path.abspath(path))
+    """Static checks of the metrics path; whether its folder really takes a file is probed when the run opens it
+    (`jaxpar.metrics.JsonlFile`)."""
+    if not path:
+        return f"{name} {path!r}: empty path; pass a file name such as run.jsonl, or omit {name} to write none"
+    kind = path_kind(path)
+    if kind.startswith("a dangling"):
+        return f"{name} {path!r}: is {kind}; pass the link's target or a new file name such as run.jsonl"
+    if os.path.isdir(path):
+        return f"{name} {path!r}: is a folder, not a writable file path; pass e.g. {os.path.join(path, 'run.jsonl')}"
+    if kind not in ("nothing", "a regular file"):
+        return f"{name} {path!r}: is {kind}, not a regular file; pass a file name such as run.jsonl"
+    parent = os.path.dirname(os.path.realpath(path))
     if not os.path.isdir(parent):
-        return f"{name} {path!r}: folder {parent!r} does not exist"
-    if os.path.isdir(path) or not os.access(parent, os.W_OK):
-        return f"{name} {path!r}: not a writable file path; pass e.g. run.jsonl"
+        return f"{name} {path!r}: folder {parent!r} does not exist; create it or pass e.g. run.jsonl"
+    if not os.access(parent, os.W_OK):
+        return f"{name} {path!r}: not a writable file path (folder {parent!r} is not writable); pass e.g. run.jsonl"
+    if kind == "a regular file" and not _is_metrics_file(path):
+        return (f"{name} {path!r}: exists and is not a jaxpar metrics file (its first line is not a config record); "
+                f"pass a new file name, or delete the file first")
+
+
+def _is_metrics_file(path) -> bool:
+    """Empty, or its first line is the JSON config record a run writes first (so re-running overwrites safely)."""
+    import json
+
+    try:
+        with open(path, "rb") as handle:
+            first = handle.readline(1 << 20)
+    except OSError:
+        return True  # not readable: the write probe decides
+    if not first.strip():
+        return True
+    try:
+        record = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "versions" in record
+
+
+def same_file(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _finite_check(name, value):
+    """Float fields: finite, and (an int from a config file) representable as a float."""
+    try:
+        ok = math.isfinite(float(value))
+    except OverflowError:
+        return f"{name} {_short(value)}: too large for a float; {_example(name)}"
+    if not ok:
+        return f"{name} {value!r}: must be a finite number; {_example(name)}"
+
+
+def _example(name) -> str:
+    field_name = name.lstrip("-").replace("-", "_")
+    default = Config.__dataclass_fields__[field_name].default
+    if default is None and field_name in APPLIES_TO:
+        default = strategies_lib.option_default(APPLIES_TO[field_name][0], field_name)
+    return f"e.g. {name} {default}" if default is not None else "pass a finite number"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
 
 
 def _bn_default(config) -> str:
@@ -318,6 +380,8 @@ class Config:
                 raise ConfigError(f"{shown(f.name)} {value!r}: must be an integer")
             if kind.startswith("float") and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ConfigError(f"{shown(f.name)} {value!r}: must be a number")
+            if kind.startswith("float") and _finite_check(shown(f.name), value):
+                raise ConfigError(_finite_check(shown(f.name), value))
             if kind.startswith("str") and not isinstance(value, str):
                 raise ConfigError(f"{shown(f.name)} {value!r}: must be a string")
 
@@ -330,6 +394,12 @@ class Config:
         check_allreduce(config.allreduce, config.torus)
         if config.lr_decay_steps is not None and config.lr_schedule != "step":
             raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
+        if config.metrics and config.data and (same_file(config.metrics, config.data) or (
+                os.path.isdir(config.data) and
+                os.path.realpath(config.metrics).startswith(os.path.join(os.path.realpath(config.data), "")))):
+            raise ConfigError(f"--metrics {config.metrics!r}: is --data {config.data!r} or inside it (it would "
+                              f"overwrite the training text, or be read as text by the next run); pass a path "
+                              f"outside it, e.g. run.jsonl")
         if config.bn == "sync" and strategies_lib.from_config(config).local_statistics:
             raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
                               "normalise each replica's slice (use --bn local)")
@@ -421,14 +491,18 @@ def _jsonable(value):
 
 
 def load_config_file(path: str) -> Config:
-    """Runs `get_config()` from a Python file (configs/NAME.py)."""
+    """Runs `get_config()` from a Python file (configs/NAME.py; any name: the file is read as Python source)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ConfigError(f"--config {path!r}: is {path_kind(path)}, not a file; pass a Python file such as "
+                          f"configs/mlp.py")
     if not os.path.isfile(path):
         here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
         names = sorted(f for f in os.listdir(here) if f.endswith(".py") and not f.startswith("_")) \
             if os.path.isdir(here) else []
         raise ConfigError(f"--config {path!r}: no such file" + (f"; presets: {', '.join('configs/' + n for n in names)}"
                                                                  if names else ""))
-    spec = importlib.util.spec_from_file_location("jaxpar_user_config", path)
+    loader = importlib.machinery.SourceFileLoader("jaxpar_user_config", path)  # also for names without .py
+    spec = importlib.util.spec_from_loader("jaxpar_user_config", loader)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)

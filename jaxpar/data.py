@@ -15,8 +15,11 @@ iterator state is two integers and restores exactly. Each process loads only its
 
 from __future__ import annotations
 
+import codecs
 import collections
+import logging
 import os
+import stat
 import sysconfig
 from collections.abc import Callable, Iterator
 
@@ -98,6 +101,34 @@ def default_corpus_files() -> list[str]:
     return sorted(files, key=lambda f: os.path.relpath(f, root))
 
 
+def path_kind(path: str) -> str:
+    """What is at `path`, in words: 'a regular file', 'a folder', 'a character device', ... or 'nothing'."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a dangling symbolic link (to {os.readlink(path)!r}, which does not exist)"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "nothing"
+    for test, words in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                        (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return words
+    return "not a regular file"
+
+
+def binary_note(tokens: np.ndarray) -> str | None:
+    """Why `tokens` do not look like text (invalid UTF-8 or NUL bytes), or None. A cut multi-byte character at the
+    end (max_bytes) is not counted."""
+    raw = tokens.tobytes()
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+    except UnicodeDecodeError as error:
+        return f"is not UTF-8 text (invalid byte at offset {error.start})"
+    zero = raw.find(b"\0")
+    return None if zero < 0 else f"is not text (a NUL byte at offset {zero})"
+
+
 def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> np.ndarray:
     """The corpus as uint8 tokens (byte-level: vocabulary 256)."""
     if path is None:
@@ -111,8 +142,11 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) ->
             raise DataError(f"--data {path!r}: the folder contains no files; pass a text file or a folder of them")
     elif os.path.isfile(path):
         files = [path]
-    else:
+    elif path_kind(path) == "nothing":
         raise DataError(f"--data {path!r}: no such file or folder; pass a text file or a folder of text files")
+    else:
+        raise DataError(f"--data {path!r}: is {path_kind(path)}, not a file or folder; pass a text file or a folder "
+                        f"of text files")
     chunks, total = [], 0
     for name in files:
         try:
@@ -127,6 +161,9 @@ def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) ->
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
     if tokens.size == 0:
         raise DataError(f"--data {path!r}: contains no text (0 bytes); pass a non-empty text file or folder")
+    why = binary_note(tokens) if path is not None else None
+    if why:  # byte-level: any bytes train; say so in case it was a mistake
+        logging.getLogger("jaxpar").warning(f"--data {path!r} {why}; training on its raw bytes anyway")
     return tokens
 
 

@@ -21,7 +21,16 @@ class ShardingError(JaxparError):
 
 
 class DataError(JaxparError):
-    """A missing, empty or too small dataset."""
+    """A missing, empty or too small dataset, or a batch that cannot be trained on (no rows, ragged, not numeric)."""
+
+
+class ModelError(JaxparError):
+    """A model factory or loss function that breaks its contract (`rngs -> nnx.Module`;
+    `(model, batch[, rngs]) -> (scalar loss, dict of metrics)`), or labels outside the model's classes."""
+
+
+class StateError(JaxparError):
+    """A train state that cannot be used: not a `TrainState`, or already donated to `Trainer.step`."""
 
 
 class TrainingDiverged(JaxparError):

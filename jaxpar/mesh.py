@@ -24,6 +24,7 @@ user already chose a count, or JAX has already started) so that `--mesh 2x4` jus
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 
@@ -90,20 +91,36 @@ def format_shape(shape) -> str:
     return ",".join(named) or f"{DATA}=1"
 
 
-def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "") -> tuple[int, ...]:
-    """Replaces a -1 by the number of remaining devices and checks the mesh fits `num_devices`."""
+def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "", *, library: bool = False,
+                  cpu_hint: bool = False) -> tuple[int, ...]:
+    """Replaces a -1 by the number of remaining devices and checks the mesh fits `num_devices`.
+
+    Messages name the spec as the CLI flag `--mesh` (`library=True`: `spec` is the repr of make_mesh's argument and
+    messages name the call `make_mesh(...)`). `cpu_hint`: the devices are CPU devices JAX created before the mesh
+    was asked for, so the message says how to get more.
+    """
     shape = tuple(shape)
     spec = spec or format_shape(shape)
+    subject = f"make_mesh({spec})" if library else f"--mesh {spec!r}"
+
+    def fix(suggested: str) -> str:
+        return f"make_mesh({suggested!r})" if library else f"--mesh {suggested}"
+
     if -1 in shape:
         fixed = math.prod(s for s in shape if s != -1)
         if num_devices % fixed:
-            raise MeshError(f"--mesh {spec!r}: {num_devices} devices do not divide by {fixed}; "
-                            f"try --mesh {_suggest(shape, num_devices)}")
+            raise MeshError(f"{subject}: {num_devices} devices do not divide by {fixed}; "
+                            f"try {fix(_suggest(shape, num_devices))}")
         shape = tuple(num_devices // fixed if s == -1 else s for s in shape)
     needed = math.prod(shape)
     if needed > num_devices:
-        raise MeshError(f"--mesh {spec!r} needs {needed} devices but only {num_devices} are available; "
-                        f"try --mesh {_suggest(shape, num_devices)}")
+        hint = ""
+        if cpu_hint:
+            hint = (f"; or, for {needed} CPU devices, set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
+                    f"or call jax.config.update('jax_num_cpu_devices', {needed}) before JAX starts (jaxpar.make_mesh "
+                    f"does this itself when it is the first to use JAX)")
+        raise MeshError(f"{subject} needs {needed} devices but only {num_devices} are available; "
+                        f"try {fix(_suggest(shape, num_devices))}{hint}")
     return shape
 
 
@@ -140,28 +157,76 @@ def ensure_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-def make_mesh(spec: str | tuple[int, ...] = "-1", devices=None) -> Mesh:
+def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
     """Builds the (data, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first devices.
 
-    A tuple spec of 2 is (data, model) and of 3 is (data, fsdp, model), like the "AxB" forms. Every axis is
-    `AxisType.Auto`: the compiler partitions what a sharding does not pin down (GSPMD style), which is what
-    `NamedSharding` parameters and `shard_map(axis_names={REPLICA_AXIS})` expect.
+    `spec`: a string (see the module docstring); an int `n`, the same as the string `"n"` (data = n); or a tuple
+    of sizes, where 1 size is (data,), 2 are (data, model) and 3 are (data, fsdp, model), like the "AxB" forms.
+    Sizes are positive integers, or -1 once for all remaining devices. Every axis is `AxisType.Auto`: the compiler
+    partitions what a sharding does not pin down (GSPMD style), which is what `NamedSharding` parameters and
+    `shard_map(axis_names={REPLICA_AXIS})` expect.
+
+    On CPU, JAX creates its devices when it starts: `make_mesh` asks for as many as the mesh needs if it runs
+    first (and the user did not choose a count); a mesh larger than the devices JAX already started with is a
+    `MeshError` saying how to get more.
     """
-    if isinstance(spec, str):
-        shape, text = parse_mesh_spec(spec), spec
-    else:
-        sizes = tuple(spec)
-        if len(sizes) not in _POSITIONAL:
-            raise MeshError(f"mesh shape {sizes!r}: give 1 to {len(AXES)} sizes ({_FORMS})")
-        named = dict(zip(_POSITIONAL[len(sizes)], sizes))
-        shape, text = tuple(named.get(axis, 1) for axis in AXES), "x".join(map(str, sizes))
+    library = not isinstance(spec, str)
+    shape = _tuple_shape(spec) if library else parse_mesh_spec(spec)
+    started = backend_started()
     if devices is None:
         if -1 not in shape:
             ensure_cpu_devices(math.prod(shape))
         devices = jax.devices()
-    shape = resolve_shape(shape, len(devices), text)
+        cpu_hint = started and devices[0].platform == "cpu"
+    else:
+        cpu_hint = False
+    shape = resolve_shape(shape, len(devices), repr(spec) if library else spec, library=library, cpu_hint=cpu_hint)
     grid = np.asarray(devices[: math.prod(shape)], dtype=object).reshape(shape)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+_TUPLE_FORMS = ("give an int (data), a tuple of 1 to 3 sizes ((data,), (data, model) or (data, fsdp, model)) of "
+                "positive integers with -1 at most once for all remaining devices, or a string like '2x4'")
+
+
+def _as_sizes(spec) -> tuple:
+    return (spec,) if _is_int(spec) else tuple(spec)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _tuple_shape(spec) -> tuple[int, ...]:
+    """Sizes of `AXES` from an int or a tuple spec (-1 kept, for `resolve_shape`)."""
+    try:
+        sizes = _as_sizes(spec)
+    except TypeError:
+        raise MeshError(f"make_mesh({spec!r}): not a mesh spec; {_TUPLE_FORMS}") from None
+    if len(sizes) not in _POSITIONAL:
+        raise MeshError(f"make_mesh({spec!r}): {len(sizes)} sizes; {_TUPLE_FORMS}")
+    for value in sizes:
+        if not _is_int(value):
+            raise MeshError(f"make_mesh({spec!r}): size {value!r} is not an integer; {_TUPLE_FORMS}")
+        if value < 1 and value != -1:
+            raise MeshError(f"make_mesh({spec!r}): size {value} must be >= 1 (or -1 once); {_TUPLE_FORMS}")
+    if list(sizes).count(-1) > 1:
+        raise MeshError(f"make_mesh({spec!r}): -1 may appear only once; {_TUPLE_FORMS}")
+    named = dict(zip(_POSITIONAL[len(sizes)], (int(v) for v in sizes)))
+    return tuple(named.get(axis, 1) for axis in AXES)
+
+
+def check_mesh(mesh) -> None:
+    """Refuses a mesh jaxpar cannot use: anything but a `Mesh` with Auto axes data, fsdp, model in that order."""
+    fix = f"build it with jaxpar.make_mesh (axes {', '.join(AXES)}, e.g. jaxpar.make_mesh('2x4'))"
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh {mesh!r}: not a jax.sharding.Mesh; {fix}")
+    if tuple(mesh.axis_names) != AXES:
+        raise MeshError(f"mesh with axes {tuple(mesh.axis_names)}: jaxpar needs a mesh from jaxpar.make_mesh with "
+                        f"axes {', '.join(AXES)}; {fix}")
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        raise MeshError(f"mesh with axis types {tuple(str(t) for t in mesh.axis_types)}: jaxpar needs AxisType.Auto "
+                        f"axes (jax.make_mesh defaults to Explicit); {fix}")
 
 
 # --- questions asked by role ---------------------------------------------------------------------------------------

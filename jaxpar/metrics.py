@@ -4,15 +4,97 @@ The first record is the run's resolved configuration (with library versions). Ev
 `loss`, `samples_per_sec` (examples whose gradient was applied, over the steps since the previous record: under
 SSP / ASP only the contributing replicas' examples count; the first record covers only the first step, which
 includes compilation), `elapsed_sec`, and whatever the loss function and the strategy returned.
+
+The file is written safely: records go to a temporary file in the target's folder (fsync'd as it is opened, so a
+path that cannot really be written fails before training), and `close()` renames it over the target. A run that
+fails before it starts training leaves an existing file untouched (`discard()`); a run that ends early (an error,
+Ctrl-C, SIGTERM) still commits what it logged, ending with a `{"stopped": ...}` record. Values are strict JSON:
+a non-finite number (a NaN loss) is written as null.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from typing import IO
+
+from jaxpar.errors import JaxparError
+
+
+def strict_json(value):
+    """`value` with every non-finite float replaced by None, so `json.dumps(..., allow_nan=False)` succeeds."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+class JsonlFile:
+    """A JSONL file written to `.<name>.*.tmp` next to `path` (after symlinks) and renamed onto it by `commit()`.
+
+    Opening it creates the temporary file and writes, flushes and fsyncs one byte (then truncates it): a folder
+    that refuses files (/proc, /sys, read-only mounts) or a full disk fails here, as a `JaxparError` naming `flag`.
+    """
+
+    def __init__(self, path: str, flag: str = "--metrics"):
+        self.path, self.flag = os.path.realpath(path), flag
+        folder, name = os.path.split(self.path)
+        try:
+            fd, self._temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+        except OSError as error:
+            raise JaxparError(f"{flag} {path!r}: cannot create a file in {folder!r} ({error.strerror}); pass a path "
+                              f"in a writable folder, e.g. run.jsonl") from None
+        self._file = os.fdopen(fd, "w", encoding="utf-8")
+        try:
+            self._file.write("\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.seek(0)
+            self._file.truncate()
+        except OSError as error:
+            self.discard()
+            raise JaxparError(f"{flag} {path!r}: cannot write in {folder!r} ({error.strerror}); pass a path on a "
+                              f"writable file system with free space") from None
+
+    def write(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise JaxparError(f"{self.flag} {self.path!r}: writing failed ({error.strerror}); free space or pass "
+                              f"another path") from None
+
+    def commit(self) -> None:
+        """Closes the file and renames it onto the target path."""
+        if self._file is None:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self._temp, self.path)
+        except OSError as error:
+            self.discard()
+            raise JaxparError(f"{self.flag} {self.path!r}: could not be saved ({error.strerror}); free space or "
+                              f"pass another path") from None
+
+    def discard(self) -> None:
+        """Closes and removes the temporary file; the target path is left as it was."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        try:
+            os.unlink(self._temp)
+        except OSError:
+            pass
 
 
 class RunLogger:
@@ -22,7 +104,7 @@ class RunLogger:
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
         self.batch_at = global_batch if callable(global_batch) else (lambda step: global_batch)
         self.stream = stream
-        self._file = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
+        self._file = JsonlFile(jsonl_path) if jsonl_path else None
         self._start = self._last_time = time.perf_counter()
         self._last_step = 0
         self._examples = 0.0  # examples applied since the last record
@@ -48,10 +130,10 @@ class RunLogger:
     def write(self, record: dict) -> None:
         """Appends one record to the JSONL file (if any); also used for evaluation results."""
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            self._file.write(record)
 
-    def close(self) -> None:
+    def close(self, commit: bool = True) -> None:
+        """Saves the JSONL file onto its path (`commit=False`: drops it, leaving the path as it was)."""
         if self._file:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            file.commit() if commit else file.discard()

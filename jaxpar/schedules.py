@@ -24,8 +24,9 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("constant", "cosine", "step")
 
 
-def parse_batch_ramp(spec: str, data_size: int | None = None) -> list[tuple[int, int]]:
-    """"256:0,512:1000" -> [(0, 256), (1000, 512)] as (from_step, size), checked."""
+def parse_batch_ramp(spec: str, data_size: int | None = None, steps: int | None = None) -> list[tuple[int, int]]:
+    """"256:0,512:1000" -> [(0, 256), (1000, 512)] as (from_step, size), checked. With `steps`, sizes are checked
+    against `data_size` only for the stages that start before `steps` (the others never run)."""
     stages = []
     for item in spec.split(","):
         size, _, start = item.strip().partition(":")
@@ -39,17 +40,28 @@ def parse_batch_ramp(spec: str, data_size: int | None = None) -> list[tuple[int,
             raise ConfigError(f"--batch-ramp {spec!r}: steps and sizes must both increase ({size_a}:{start_a} is "
                               f"followed by {size_b}:{start_b})")
     for start, size in stages:
-        if size < 1 or (data_size and size % data_size):
+        if size < 1:
+            raise ConfigError(f"--batch-ramp {spec!r}: size {size} of the stage from step {start} is not a batch; "
+                              f"use sizes >= 1, e.g. '{max(data_size or 1, 1)}:{start}'")
+        if data_size and size % data_size and (steps is None or start < steps):
             raise ConfigError(f"--batch-ramp {spec!r}: size {size} does not divide by the data-axis size "
                               f"{data_size}; use multiples of {data_size}")
     return stages
 
 
-def batch_size_fn(batch_size: int, ramp: list[tuple[int, int]] | None):
-    if not ramp:
-        return lambda step: batch_size
-    starts = [start for start, _ in ramp]
-    return lambda step: ramp[bisect.bisect_right(starts, step) - 1][1]
+class BatchSizes:
+    """step -> global batch size, piecewise constant: `stages` is [(from_step, size), ...] (one stage if no ramp)."""
+
+    def __init__(self, stages: list[tuple[int, int]]):
+        self.stages = list(stages)
+        self._starts = [start for start, _ in self.stages]
+
+    def __call__(self, step: int) -> int:
+        return self.stages[bisect.bisect_right(self._starts, step) - 1][1]
+
+
+def batch_size_fn(batch_size: int, ramp: list[tuple[int, int]] | None) -> BatchSizes:
+    return BatchSizes(ramp if ramp else [(0, batch_size)])
 
 
 def lr_schedule(lr: float, total_steps: int, *, scaling: str = "none", base_batch_size: int | None = None,
@@ -59,12 +71,23 @@ def lr_schedule(lr: float, total_steps: int, *, scaling: str = "none", base_batc
     base = base_batch_size or batch_at(0)
     boundaries = tuple(decay_steps) if decay_steps else tuple(sorted({max(total_steps // 2, 1),
                                                                      max(total_steps * 3 // 4, 1)}))
-    # the batch-size factor is piecewise constant in the step: precompute it per step on the host
-    scales = np.array([_scale(scaling, batch_at(t), base) for t in range(max(total_steps, 1))], np.float32)
+    # The batch-size factor is piecewise constant in the step. A `BatchSizes` (batch_size_fn) names its stages:
+    # one factor per stage, looked up by the stage's start, so --steps 10**9 costs nothing. Any other function is
+    # tabulated per step on the host (fine for short runs only).
+    stages = getattr(batch_at, "stages", None)
+    if stages is not None:
+        starts = np.array([start for start, _ in stages if start < max(total_steps, 1)] or [0], np.int64)
+        scales = np.array([_scale(scaling, size, base) for start, size in stages if start < max(total_steps, 1)]
+                          or [_scale(scaling, batch_at(0), base)], np.float32)
+    else:
+        starts = np.arange(max(total_steps, 1), dtype=np.int64)
+        scales = np.array([_scale(scaling, batch_at(t), base) for t in range(max(total_steps, 1))], np.float32)
+    lr = float(lr)  # an int too big for a float is refused by Config; here it would raise OverflowError
 
     def at(step):
         step = jnp.asarray(step)
-        value = lr * jnp.asarray(scales)[jnp.minimum(step, len(scales) - 1)]
+        stage = jnp.searchsorted(jnp.asarray(np.minimum(starts, 2 ** 31 - 1), jnp.int32), step, side="right") - 1
+        value = lr * jnp.asarray(scales)[jnp.clip(stage, 0, len(scales) - 1)]
         if warmup_steps:
             value = value * jnp.minimum(1.0, (step + 1) / warmup_steps)
         if schedule == "cosine":

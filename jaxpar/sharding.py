@@ -61,17 +61,22 @@ def _axes_of(target) -> tuple[str, ...]:
 
 def normalize_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Rules as ordered (logical name, mesh axes) pairs; a dict becomes its items."""
-    pairs = rules.items() if isinstance(rules, Mapping) else rules
-    try:
-        out = tuple((name, _axes_of(target)) for name, target in pairs)
-    except (TypeError, ValueError):
-        raise ShardingError(f"rules {rules!r}: give a dict {{logical name: mesh axis}} or a list of "
-                            f"(logical name, mesh axis) pairs") from None
-    for name, axes in out:
-        if not isinstance(name, str) or not all(isinstance(a, str) for a in axes):
-            raise ShardingError(f"rules {rules!r}: rule {name!r} -> {axes!r} must pair a logical name with a mesh "
-                                f"axis name, a tuple of them, or None")
-    return out
+    forms = (f"rules map a logical name to a mesh axis ({', '.join(mesh_lib.AXES)}), a tuple of them, or None: a dict "
+             f"{{'mlp': '{mesh_lib.TENSOR_AXIS}'}} or a list of pairs [('mlp', '{mesh_lib.TENSOR_AXIS}')]")
+    if isinstance(rules, Mapping):
+        pairs = list(rules.items())
+    elif isinstance(rules, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in rules):
+        pairs = [tuple(p) for p in rules]
+    else:
+        raise ShardingError(f"rules {rules!r}: not a dict or a list of pairs; {forms}")
+    out = []
+    for name, target in pairs:
+        axes = (target,) if isinstance(target, str) else target
+        if not isinstance(name, str) or not (target is None or (
+                isinstance(axes, (list, tuple)) and all(isinstance(a, str) for a in axes))):
+            raise ShardingError(f"rules: rule {name!r} -> {target!r} is not a logical name -> mesh axis; {forms}")
+        out.append((name, _axes_of(target)))
+    return tuple(out)
 
 
 def validate_rules(rules, mesh: Mesh) -> None:

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from jaxpar.errors import ConfigError, ModelError
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
 
@@ -71,6 +74,45 @@ def with_rngs(loss_fn: LossFn) -> Callable:
     return lambda model, batch, rngs: loss_fn(model, batch)
 
 
+LOSS_CONTRACT = "loss_fn must be (model, batch[, rngs]) -> (scalar loss, dict of metrics)"
+
+
+def _describe(value) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {len(value)}-{type(value).__name__}"
+    return f"a {type(value).__name__}"
+
+
+def _is_scalar(value) -> bool:
+    try:
+        dtype = jnp.result_type(value)
+    except TypeError:
+        return False
+    return jnp.ndim(value) == 0 and (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_)
+
+
+def call_loss(loss_fn, model, batch, rngs):
+    """`loss_fn(model, batch, rngs)`, checked against the contract at trace time (no cost at run time).
+
+    Raises `ModelError` naming what came back instead of `(scalar loss, dict of scalar metrics)`.
+    """
+    out = loss_fn(model, batch, rngs)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ModelError(f"{LOSS_CONTRACT}; it returned {_describe(out)}")
+    loss, metrics = out
+    if not (_is_scalar(loss) and jnp.issubdtype(jnp.result_type(loss), jnp.floating)):
+        raise ModelError(f"{LOSS_CONTRACT}; its loss is {_describe(loss)} (reduce it to a float scalar, e.g. "
+                         f".mean())")
+    if not isinstance(metrics, Mapping):
+        raise ModelError(f"{LOSS_CONTRACT}; its metrics are {_describe(metrics)} (return {{}} for none)")
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not _is_scalar(value):
+            raise ModelError(f"{LOSS_CONTRACT}; metric {name!r} is {_describe(value)}, not a numeric scalar")
+    return loss, metrics
+
+
 def make_rngs(key) -> nnx.Rngs:
     """The Rngs a loss function gets: a `dropout` stream and a default stream, both from `key` (a typed key)."""
     return nnx.Rngs(jax.random.fold_in(key, 0), dropout=jax.random.fold_in(key, 1))
@@ -91,9 +133,17 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
     model = nnx.merge(graphdef, params, model_state)
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
     # BatchNorm statistics) under differentiation; gradients are taken with respect to nnx.Param only.
-    (loss, metrics), grads = nnx.value_and_grad(lambda m: loss_fn(m, batch, make_rngs(key)), has_aux=True)(model)
+    (loss, metrics), grads = nnx.value_and_grad(lambda m: call_loss(loss_fn, m, batch, make_rngs(key)),
+                                                has_aux=True)(model)
     new_model_state = split_model(model)[2]
     return loss, metrics, new_model_state, grads
+
+
+def check_optimizer(argument: str, tx) -> None:
+    """Refuses anything but an optax GradientTransformation (an object with `init` and `update`)."""
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise ConfigError(f"{argument} {tx!r}: not an optax GradientTransformation (an object with init and "
+                          f"update); pass e.g. optax.adamw(1e-3)")
 
 
 def apply_gradients(tx: optax.GradientTransformation, params, opt_state, grads):
@@ -104,7 +154,7 @@ def apply_gradients(tx: optax.GradientTransformation, params, opt_state, grads):
 def evaluate_batch(graphdef, loss_fn, params, model_state, batch, key):
     """Metrics of the three-argument `loss_fn` on one batch (graphdef in eval mode)."""
     model = nnx.merge(graphdef, params, model_state)
-    loss, metrics = loss_fn(model, batch, make_rngs(jax.random.fold_in(key, _EVAL_STREAM)))
+    loss, metrics = call_loss(loss_fn, model, batch, make_rngs(jax.random.fold_in(key, _EVAL_STREAM)))
     return {"loss": loss, **metrics}
 
 

@@ -19,6 +19,7 @@ Pure Python + numpy on purpose: no JAX, so the schedule is cheap, testable alone
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -29,6 +30,11 @@ from jaxpar.errors import ConfigError
 
 # Arrivals closer than this are the same instant: sums of float compute times may differ in the last bits.
 TIME_TOLERANCE = 1e-9
+
+# Bounds that keep every simulated time finite (and sane) over any run: a compute time is at most
+# MAX_SLOWDOWN x e^(MAX_JITTER x |z|); |z| > 9 has probability < 1e-18 per draw, and exp overflows only past 709.
+MAX_SLOWDOWN = 1e6
+MAX_JITTER = 10.0
 
 _SPEC_HELP = ("expected comma-separated REPLICA:SLOWDOWN items plus optional jitter=J and seed=N, "
               "e.g. '3:2.0,5:1.5,jitter=0.1'")
@@ -84,8 +90,9 @@ def parse_stragglers(spec: str | None) -> Stragglers:
                 raise ValueError(item)
         except ValueError:
             raise bad(f"cannot read {item!r}; {_SPEC_HELP}") from None
-        if key == "jitter" and not (jitter >= 0 and math.isfinite(jitter)):
-            raise bad(f"jitter {value} must be a finite number >= 0, e.g. jitter=0.1")
+        if key == "jitter" and not 0 <= jitter <= MAX_JITTER:
+            raise bad(f"jitter {value} must be a number in [0, {MAX_JITTER:g}] (the std of the log of a compute time; "
+                      f"{MAX_JITTER:g} already spreads times over e^+-{3 * MAX_JITTER:g}), e.g. jitter=0.1")
         if key == "seed" and seed < 0:
             raise bad(f"seed {value} must be an integer >= 0, e.g. seed=7")
         if sep == ":":
@@ -93,8 +100,9 @@ def parse_stragglers(spec: str | None) -> Stragglers:
                 raise bad(f"replica {replica} must be >= 0 (a data-axis index)")
             if replica in slowdown:
                 raise bad(f"replica {replica} is given twice; give each replica one slowdown")
-            if not (factor > 0 and math.isfinite(factor)):
-                raise bad(f"slowdown {value} of replica {replica} must be a finite number > 0 (2.0 = twice as slow)")
+            if not 0 < factor <= MAX_SLOWDOWN:
+                raise bad(f"slowdown {value} of replica {replica} must be a number in (0, {MAX_SLOWDOWN:g}] "
+                          f"(2.0 = twice as slow), e.g. {replica}:2.0")
             slowdown[replica] = factor
     return Stragglers(slowdown, jitter, seed)
 
@@ -177,8 +185,40 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     return updates
 
 
+CHUNK_ROWS = 4096  # rows of compute times drawn at a time by the lazy clock
+
+
+def _cost_rows(stragglers: Stragglers, num_replicas: int):
+    """Endless rows of `compute_times`, drawn CHUNK_ROWS at a time from the same seeded stream (the same numbers as
+    one big `compute_times` call: a stream drawn in pieces is the stream drawn at once)."""
+    factors = stragglers.factors(num_replicas)
+    rng = np.random.default_rng(stragglers.seed)
+    while True:
+        yield from 1.0 * factors * np.exp(stragglers.jitter * rng.standard_normal((CHUNK_ROWS, num_replicas)))
+
+
+def bsp_clock(stragglers: Stragglers, num_replicas: int, period: int = 1, sync_steps: int = 0):
+    """The simulated clock after each step, lazily and forever: memory stays O(replicas) whatever the step count.
+
+    The first `sync_steps` steps meet every step (post-local SGD's synchronous phase), the rest every `period` steps
+    (counted from the end of the synchronous phase). One cost stream for the whole run: step k uses row k.
+    """
+    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    _check_int("period (steps between replica meetings)", period, 1)
+    _check_int("sync_steps", sync_steps, 0)
+    clocks = np.zeros(num_replicas)
+    for k, row in enumerate(_cost_rows(stragglers, num_replicas)):
+        clocks += row
+        if k < sync_steps or (k - sync_steps + 1) % period == 0:
+            clocks[:] = clocks.max()
+            yield float(clocks[0])
+        else:
+            yield float(clocks.mean())
+
+
 def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period: int = 1) -> np.ndarray:
-    """[num_steps] simulated clock after each step when replicas meet every `period` steps.
+    """[num_steps] simulated clock after each step when replicas meet every `period` steps (`bsp_clock`'s first
+    `num_steps` values; prefer `bsp_clock` for long runs, whose length you do not need up front).
 
     Sync SGD (period 1) pays the slowest replica every step. Local SGD (period H) lets each replica run its H steps
     at its own pace and pays the wait only at the meeting: clock = last meeting + max over replicas of their time
@@ -187,14 +227,5 @@ def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period:
     _check_int("num_replicas (the data-axis size)", num_replicas, 1)
     _check_int("num_steps", num_steps, 0)
     _check_int("period (steps between replica meetings)", period, 1)
-    costs = compute_times(stragglers, num_replicas, num_steps)
-    clocks = np.zeros(num_replicas)
-    out = np.empty(num_steps)
-    for k in range(num_steps):
-        clocks += costs[k]
-        if (k + 1) % period == 0:
-            clocks[:] = clocks.max()
-            out[k] = clocks[0]
-        else:
-            out[k] = clocks.mean()
-    return out
+    return np.fromiter(itertools.islice(bsp_clock(stragglers, num_replicas, period), num_steps), np.float64,
+                       num_steps)
