@@ -2,10 +2,12 @@
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 import jaxpar
-from jaxpar.config import load_config_file
+from jaxpar.config import load_config_file, same_file
 from jaxpar.experiment import train
 from jaxpar.flags import add_flags, overrides
 
@@ -30,24 +32,47 @@ def parse(argv) -> jaxpar.Config:
     validated and with every default that applies filled in."""
     args = parser().parse_args(argv)
     config = load_config_file(args.config) if args.config else jaxpar.Config()
-    return config.replace(**overrides(args)).validate().resolved()
+    config = config.replace(**overrides(args))
+    if args.config and isinstance(config.metrics, str) and config.metrics and same_file(config.metrics, args.config):
+        raise jaxpar.ConfigError(f"--metrics {config.metrics!r}: is the --config file (it would be overwritten); "
+                                 f"pass another path, e.g. run.jsonl")
+    return config.validate().resolved()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so the run ends the same way."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+    raise Terminated()
+
+
+class _Stdout(logging.StreamHandler):  # writes to whatever sys.stdout is at the time (tests swap it)
+    stream = property(lambda self: sys.stdout, lambda self, value: None)
 
 
 def main(argv=None) -> int:
     notes = logging.getLogger("jaxpar")  # the trainer's start-up notes (e.g. parameters FSDP leaves whole)
     if not notes.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _Stdout()
         handler.setFormatter(logging.Formatter("jaxpar: note: %(message)s"))
         notes.addHandler(handler)
         notes.propagate = False
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         summary = train(parse(argv))
     except jaxpar.JaxparError as error:
         print(f"run.py: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("run.py: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM as Terminated: the JSONL is saved either way
+        terminated = isinstance(stop, Terminated)
+        print(f"run.py: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
     return 0
 

@@ -87,15 +87,24 @@ class Evaluate(Action):
 
 
 class StopIfDiverged(Action):
-    """Ends training (a `TrainingDiverged` error) when the loss is not finite; `hint(loss, step)` words the advice."""
+    """Ends training (a `TrainingDiverged` error) when the loss is not finite, or when it explodes: above
+    `factor` x the first step's loss and above `floor` (defaults 100 x and 1e3: 2.3 -> 4.3e5 is divergence, while a
+    loss that wanders up a few times over is not). `hint(loss, step)` words the advice."""
 
-    def __init__(self, hint: Callable[[float, int], str] | None = None):
-        self.hint = hint
+    def __init__(self, hint: Callable[[float, int], str] | None = None, factor: float = 100.0, floor: float = 1e3):
+        self.hint, self.factor, self.floor = hint, factor, floor
+        self.first: float | None = None  # the first finite loss this action saw
 
     def __call__(self, event):
         loss = event.metrics.get("loss", 0.0)
-        if not math.isfinite(loss):
+        if self.first is None and math.isfinite(loss):
+            self.first = loss
+        exploded = (math.isfinite(loss) and self.first is not None and loss > self.floor
+                    and loss > self.factor * abs(self.first))
+        if not math.isfinite(loss) or exploded:
             from jaxpar.errors import TrainingDiverged
 
             advice = self.hint(loss, event.step) if self.hint else "lower the learning rate"
-            raise TrainingDiverged(f"training diverged: loss is {loss} at step {event.step}; {advice}")
+            what = (f"loss is {loss:.3g} at step {event.step}, over {self.factor:g} x the first step's "
+                    f"{self.first:.3g}" if exploded else f"loss is {loss} at step {event.step}")
+            raise TrainingDiverged(f"training diverged: {what}; {advice}")

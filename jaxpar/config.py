@@ -129,7 +129,7 @@ def _metrics_check(name, path):
     if kind.startswith("a dangling"):
         return f"{name} {path!r}: is {kind}; pass the link's target or a new file name such as run.jsonl"
     if os.path.isdir(path):
-        return f"{name} {path!r}: is a folder, not a writable file path; pass e.g. {os.path.join(path, 'run.jsonl')}"
+        return f"{name} {path!r}: not a writable file path (a folder); pass e.g. {os.path.join(path, 'run.jsonl')}"
     if kind not in ("nothing", "a regular file"):
         return f"{name} {path!r}: is {kind}, not a regular file; pass a file name such as run.jsonl"
     parent = os.path.dirname(os.path.realpath(path))
@@ -358,11 +358,20 @@ class Config:
                                   f"{' / '.join(meta['models'])}{why}")
             raise ConfigError(f"{shown(name)} {value!r} does not apply to --strategy {self.strategy}; it applies to "
                               f"{' / '.join(APPLIES_TO[name])}")
+        self._check_metrics_is_not_data()  # before --metrics' own checks: the more telling message
         for name in OPTIONS:
             if name not in PRIMARY and getattr(self, name) is not None:
                 self._check(name)
         self._validate_combinations(self.resolved())
         return self
+
+    def _check_metrics_is_not_data(self) -> None:
+        metrics, text = self.metrics, self.data
+        if metrics and text and (same_file(metrics, text) or (
+                os.path.isdir(text) and os.path.realpath(metrics).startswith(os.path.join(os.path.realpath(text), "")))):
+            raise ConfigError(f"--metrics {metrics!r}: is --data {text!r} or inside it (it would overwrite the "
+                              f"training text, or be read as text by the next run); pass a path outside it, e.g. "
+                              f"run.jsonl")
 
     def _check(self, name: str) -> None:
         for check in OPTIONS[name]["checks"]:
@@ -394,12 +403,6 @@ class Config:
         check_allreduce(config.allreduce, config.torus)
         if config.lr_decay_steps is not None and config.lr_schedule != "step":
             raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
-        if config.metrics and config.data and (same_file(config.metrics, config.data) or (
-                os.path.isdir(config.data) and
-                os.path.realpath(config.metrics).startswith(os.path.join(os.path.realpath(config.data), "")))):
-            raise ConfigError(f"--metrics {config.metrics!r}: is --data {config.data!r} or inside it (it would "
-                              f"overwrite the training text, or be read as text by the next run); pass a path "
-                              f"outside it, e.g. run.jsonl")
         if config.bn == "sync" and strategies_lib.from_config(config).local_statistics:
             raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
                               "normalise each replica's slice (use --bn local)")

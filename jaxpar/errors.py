@@ -21,12 +21,13 @@ class ShardingError(JaxparError):
 
 
 class DataError(JaxparError):
-    """A missing, empty or too small dataset, or a batch that cannot be trained on (no rows, ragged, not numeric)."""
+    """A missing, empty or too small dataset, or a batch that cannot be trained on (no rows, ragged, not numeric,
+    labels outside the model's classes)."""
 
 
 class ModelError(JaxparError):
     """A model factory or loss function that breaks its contract (`rngs -> nnx.Module`;
-    `(model, batch[, rngs]) -> (scalar loss, dict of metrics)`), or labels outside the model's classes."""
+    `(model, batch[, rngs]) -> (scalar loss, dict of metrics)`)."""
 
 
 class StateError(JaxparError):

@@ -7,6 +7,7 @@ a bad input fails in a second with one line and nothing written.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -17,18 +18,21 @@ import optax
 import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
-from jaxpar.config import Config
-from jaxpar.errors import ConfigError, DataError
-from jaxpar.metrics import RunLogger
+from jaxpar.config import APPLIES_TO, Config
+from jaxpar.errors import ConfigError, DataError, JaxparError
+from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
+from jaxpar.strategies import option_default
 from jaxpar.trainer import Trainer
 
 
 def batch_sizes(config: Config, ways: int, replicas: int) -> list[int]:
-    """Every global batch size the run will use, checked against the batch axes and --grad-accum."""
+    """Every global batch size the run will use (ramp stages that start at or after --steps never run and are not
+    checked), checked against the batch axes and --grad-accum."""
     if config.batch_ramp:
-        sizes = [size for _, size in parse_batch_ramp(config.batch_ramp, ways)]
+        sizes = [size for start, size in parse_batch_ramp(config.batch_ramp, ways, config.steps)
+                 if start < config.steps]
         flag = "--batch-ramp"
     else:
         sizes, flag = [config.batch_size], "--batch-size"
@@ -65,13 +69,99 @@ def datasets(config: Config, size_at, largest: int):
     return train, held_out
 
 
-def _divergence_hint(loss: float, step: int) -> str:
-    return "lower --lr, add --warmup-steps or use a smaller --batch-size"
+def divergence_hint(config: Config, size_at):
+    """`hint(loss, step)` for `StopIfDiverged`: the likely culprits among the settings this run changed from their
+    defaults, most likely first (a too-high lr, made higher by --lr-scaling; no warmup; a large batch)."""
+    default = Config()
+    base = config.base_batch_size or size_at(0)
+    sizes = [size for _, size in getattr(size_at, "stages", [(0, size_at(0))])]
+    scale = max(size / base for size in sizes)
+    peak = config.lr * (scale if config.lr_scaling == "linear" else
+                        math.sqrt(scale) if config.lr_scaling == "sqrt" else 1.0)
+
+    def hint(loss: float, step: int) -> str:
+        advice = []
+        if config.lr != default.lr or config.optimizer != default.optimizer:
+            advice.append(f"lower --lr (it is {config.lr:g} with --optimizer {config.optimizer}; try 10x smaller)")
+        else:
+            advice.append("lower --lr")
+        if peak > config.lr * 1.0001:
+            advice.append(f"--lr-scaling {config.lr_scaling} raises it to {peak:g} at the largest batch: use sqrt or "
+                          f"a smaller --batch-ramp")
+        if config.weight_decay > 0.1 and config.optimizer != "adamw":
+            advice.append(f"lower --weight-decay (it is {config.weight_decay:g}: L2 that large makes SGD unstable)")
+        if not config.warmup_steps:
+            advice.append("add --warmup-steps")
+        if config.batch_size != default.batch_size or config.batch_ramp:
+            advice.append("or use a smaller --batch-size")
+        return ", ".join(advice)
+
+    return hint
+
+
+def run_notes(config: Config) -> list[str]:
+    """One line per setting that cannot act within --steps (printed, not refused: the run is still valid)."""
+    steps, notes = config.steps, []
+    default = Config()
+
+    def given(name):  # set to something other than its default (by a flag or a config file)
+        value = getattr(config, name)
+        if value is None:
+            return False
+        fallback = getattr(default, name)
+        if fallback is None and config.applies(name):
+            fallback = option_default(config.strategy, name) if name in APPLIES_TO else None
+        return value != fallback
+
+    if config.warmup_steps > steps:
+        notes.append(f"--warmup-steps {config.warmup_steps} is larger than --steps {steps}: the lr never reaches "
+                     f"its peak")
+    if given("sync_period") and config.sync_period > steps:
+        notes.append(f"--sync-period {config.sync_period} is larger than --steps {steps}: the replicas never meet "
+                     f"after their local steps")
+    if given("local_after") and config.local_after > steps:
+        notes.append(f"--local-after {config.local_after} is larger than --steps {steps}: the whole run is "
+                     f"synchronous")
+    if given("staleness") and config.staleness > steps:
+        notes.append(f"--staleness {config.staleness} is larger than --steps {steps}: no gradient can be that stale, "
+                     f"so this run is ASP (the version buffer holds {steps + 1})")
+    if config.eval_every > steps:
+        notes.append(f"--eval-every {config.eval_every} is larger than --steps {steps}: evaluation only at the end")
+    if config.log_every > steps and given("log_every"):
+        notes.append(f"--log-every {config.log_every} is larger than --steps {steps}: only the first and last steps "
+                     f"are logged")
+    if config.batch_ramp:
+        late = [f"{size}:{start}" for start, size in parse_batch_ramp(config.batch_ramp) if start >= steps]
+        if late:
+            notes.append(f"--batch-ramp stage(s) {','.join(late)} start at or after --steps {steps}: never used")
+    return notes
+
+
+def strategy_config(config: Config) -> Config:
+    """The config the strategy is built from: counts that only matter up to --steps are capped there (identical
+    training; bounded host and device memory: the SSP version buffer is staleness + 1, the post-local clock is
+    simulated up to local_after)."""
+    capped = {name: min(getattr(config, name), config.steps) for name in ("staleness", "local_after")
+              if getattr(config, name) is not None}
+    return config.replace(**capped) if capped else config
 
 
 def train(config: Config) -> dict:
     """Trains `config.model` and returns a summary (final training metrics, held-out metrics, throughput)."""
     config = config.validate().resolved()
+    for line in run_notes(config):
+        logging.getLogger("jaxpar").warning(line)
+    # opened (and probed: a byte written and fsync'd) before any work, so an unwritable path fails in a second;
+    # renamed onto --metrics only once training has started (see jaxpar.metrics)
+    jsonl = JsonlFile(config.metrics) if config.metrics else None
+    try:
+        return _train(config, jsonl)
+    finally:
+        if jsonl is not None:
+            jsonl.discard()  # a no-op once committed
+
+
+def _train(config: Config, jsonl) -> dict:
     shape = dict(zip(mesh_lib.AXES, mesh_lib.parse_mesh_spec(config.mesh)))
     if -1 not in shape.values():
         batch_sizes(config, math.prod(shape[a] for a in mesh_lib.BATCH_AXES), shape[mesh_lib.REPLICA_AXIS])
@@ -79,7 +169,7 @@ def train(config: Config) -> dict:
     size_at = batch_size_fn(config.batch_size, ramp)
     largest = max(batch_sizes(config, 1, 1))
     train_batches, held_out = datasets(config, size_at, largest)
-    strategy = strategy_from_config(config)
+    strategy = strategy_from_config(strategy_config(config))
     mesh = mesh_lib.make_mesh(config.mesh)
     ways, replicas = mesh_lib.batch_ways(mesh), mesh_lib.replica_count(mesh)
     batch_sizes(config, ways, replicas)
@@ -106,7 +196,7 @@ def train(config: Config) -> dict:
           f"{config.strategy}{bn}; {config.steps} steps", flush=True)
 
     host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
-    logger = RunLogger(config.steps, size_at, config.log_every, config.metrics)
+    logger = RunLogger(config.steps, size_at, config.log_every, jsonl)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):
@@ -122,18 +212,27 @@ def train(config: Config) -> dict:
     evaluation = actions.Evaluate(lambda tr, st: evaluate(tr, st, held_out, largest, config),
                                   every=config.eval_every, on_result=on_eval, at_end=bool(config.eval_batches))
     last = {}
-    loop = [actions.StopIfDiverged(_divergence_hint), Extras(),
+    loop = [actions.StopIfDiverged(divergence_hint(config, size_at)), Extras(),
             actions.OnStep(lambda step, metrics: last.update(metrics)), actions.Log(logger)]
     if config.eval_batches:
         loop.append(evaluation)
     batches = data.prefetch_to_device(train_batches, trainer.shard_batch)
+    logger.write(config.to_record())
     try:
-        logger.write(config.to_record())
         started = time.perf_counter()
         state = trainer.fit(state, batches, config.steps, actions=loop)
         seconds = time.perf_counter() - started
-    finally:
-        logger.close()
+    except BaseException as error:  # training started: keep what was logged, and say how it ended
+        reason = (str(error) if isinstance(error, JaxparError) else
+                  "terminated" if type(error).__name__ == "Terminated" else
+                  "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}")
+        try:
+            logger.write({"stopped": reason})
+            logger.close()
+        except JaxparError:
+            pass  # the metrics file failed too: the original error is the one to report
+        raise
+    logger.close()
     held = evaluation.history[-1][1] if evaluation.history else {}
     summary = {"final_" + k: v for k, v in last.items()}
     summary.update(steps=config.steps, seconds=seconds, steps_per_sec=config.steps / seconds)

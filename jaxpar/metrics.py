@@ -81,6 +81,7 @@ class JsonlFile:
             self._file.close()
             self._file = None
             os.replace(self._temp, self.path)
+            self._temp = None
         except OSError as error:
             self.discard()
             raise JaxparError(f"{self.flag} {self.path!r}: could not be saved ({error.strerror}); free space or "
@@ -91,20 +92,22 @@ class JsonlFile:
         if self._file is not None:
             self._file.close()
             self._file = None
-        try:
-            os.unlink(self._temp)
-        except OSError:
-            pass
+        if self._temp is not None:
+            try:
+                os.unlink(self._temp)
+            except OSError:
+                pass
+            self._temp = None
 
 
 class RunLogger:
-    def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: str | None = None,
+    def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
                  stream: IO[str] | None = None):
         self.total_steps, self.log_every = total_steps, log_every
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
         self.batch_at = global_batch if callable(global_batch) else (lambda step: global_batch)
         self.stream = stream
-        self._file = JsonlFile(jsonl_path) if jsonl_path else None
+        self._file = jsonl_path if isinstance(jsonl_path, JsonlFile) else JsonlFile(jsonl_path) if jsonl_path else None
         self._start = self._last_time = time.perf_counter()
         self._last_step = 0
         self._examples = 0.0  # examples applied since the last record

@@ -139,11 +139,15 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
     return loss, metrics, new_model_state, grads
 
 
-def check_optimizer(argument: str, tx) -> None:
-    """Refuses anything but an optax GradientTransformation (an object with `init` and `update`)."""
+def check_optimizer(where: str, tx) -> None:
+    """Refuses anything but an optax GradientTransformation (an object with `init` and `update`).
+
+    `where` names the argument: "optimizer", or "DiLoCo(outer_optimizer=...)" (the value replaces the "...").
+    """
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise ConfigError(f"{argument} {tx!r}: not an optax GradientTransformation (an object with init and "
-                          f"update); pass e.g. optax.adamw(1e-3)")
+        shown = where.replace("...", repr(tx)) if "..." in where else f"{where} {tx!r}"
+        raise ConfigError(f"{shown}: not an optax GradientTransformation (an object with init and update); pass "
+                          f"e.g. optax.adamw(1e-3)")
 
 
 def apply_gradients(tx: optax.GradientTransformation, params, opt_state, grads):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -29,8 +30,8 @@ from jax.sharding import Mesh
 from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
-from jaxpar.errors import ConfigError, FitError, JaxparError
-from jaxpar.step import LossFn, TrainState, evaluate_batch, split_model, step_key, with_rngs
+from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, StateError
+from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
 
 log = logging.getLogger("jaxpar")
@@ -43,29 +44,51 @@ class Trainer:
       model: a function `rngs -> nnx.Module` (e.g. the class itself, or `jaxpar.from_linen(...)`).
       loss_fn: `(model, batch) -> (loss, metrics)` or `(model, batch, rngs) -> (loss, metrics)`; in the second
         form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.step`).
-      optimizer: an optax GradientTransformation.
-      mesh: from `jaxpar.make_mesh`.
+      optimizer: an optax GradientTransformation (e.g. `optax.adamw(1e-3)`, not the string "adamw").
+      mesh: from `jaxpar.make_mesh` (a `Mesh` with Auto axes data, fsdp, model).
       rules: logical axis name -> mesh axis, a dict or Flax's list of pairs. None: `DEFAULT_RULES`, with automatic
         FSDP placement (a dimension that does not divide by fsdp moves or stays whole, and is reported).
       strategy: how replicas agree (default `Sync()`).
       grad_accum: microbatches per update (must divide the per-replica batch).
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
+
+    A bad argument raises a `jaxpar.JaxparError` subclass naming it; a `loss_fn` that returns anything but
+    `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced. Batches: a dict of
+    arrays with a common leading example dimension; numpy / jax arrays, or nested lists of numbers (converted with
+    `np.asarray`). Integer labels are not range-checked inside the step (that would need a device-to-host sync);
+    check them on the host, e.g. with `models.losses.check_labels`.
     """
 
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None):
+        mesh_lib.check_mesh(mesh)
+        if isinstance(model, nnx.Module) or not callable(model):
+            raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
+                             f"itself, or lambda rngs: MyModel(..., rngs=rngs)), not a built module")
+        for argument, fn in (("loss_fn", loss_fn), ("eval_loss_fn", eval_loss_fn)):
+            if not callable(fn) and not (argument == "eval_loss_fn" and fn is None):
+                raise ModelError(f"{argument} {fn!r}: not a function; {argument} is (model, batch[, rngs]) -> "
+                                 f"(scalar loss, dict of metrics)")
+        check_optimizer("optimizer", optimizer)
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ConfigError(f"grad_accum {grad_accum!r}: must be an integer >= 1 (microbatches per update)")
+        if strategy is not None and not all(callable(getattr(strategy, m, None))
+                                            for m in ("init", "shardings", "steps", "plan")):
+            raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
+                              f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
         self.mesh, self.strategy = mesh, strategy or Sync()
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
         self._loss_fn = with_rngs(loss_fn)
         self._eval_loss_fn = with_rngs(eval_loss_fn or loss_fn)
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-            raise ConfigError(f"--grad-accum {grad_accum!r}: must be an integer >= 1")
         shd.validate_rules(self.rules, mesh)
 
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+        if not isinstance(abstract, nnx.Module):
+            raise ModelError(f"model: the factory returned {type(abstract).__name__}, not an nnx.Module; it must be "
+                             f"rngs -> nnx.Module (a Linen module: wrap it with jaxpar.from_linen)")
         abstract.eval()
         self._eval_graphdef = split_model(abstract)[0]
         abstract.train()
@@ -109,8 +132,14 @@ class Trainer:
         return self.strategy.init(self._ctx, state)
 
     def _traced_step(self, name, fn, state, batch, inputs):
-        self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-        return fn(state, batch, inputs)
+        out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
+        count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+        if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
+            shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
+            log.warning(f"step variant {name!r} compiles again (compilation {count}) for a new batch shape "
+                        f"{{{shapes}}}; each new batch shape compiles the step anew: keep batch shapes fixed "
+                        f"(e.g. drop or pad the last batch)")
+        return out
 
     def _eval_step(self, state, batch):
         return evaluate_batch(self._eval_graphdef, self._eval_loss_fn, state.params, state.model_state, batch,
@@ -136,22 +165,57 @@ class Trainer:
         return mesh_lib.batch_ways(self.mesh)
 
     def init(self, seed: int = 0) -> TrainState:
-        """A fresh train state; the same seed gives the same parameters on every mesh."""
+        """A fresh train state; the same seed (an integer in [0, 2**32)) gives the same parameters on every mesh."""
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+            raise ConfigError(f"seed {seed!r}: must be an integer in [0, 2**32)")
         return self._init(jnp.asarray(seed, jnp.uint32))
 
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         """Places a global batch on the mesh, examples split over the batch axes (a no-op for placed arrays)."""
-        sizes = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
+        batch, _ = self._checked_batch(batch)
+        return self._placed(batch)
+
+    def _checked_batch(self, batch) -> tuple[dict, int]:
+        """(the batch as a dict of arrays, its number of rows); nested lists of numbers become numpy arrays."""
+        if not isinstance(batch, Mapping) or not batch:
+            raise DataError(f"batch: got {type(batch).__name__}{' (empty)' if isinstance(batch, Mapping) else ''}; "
+                            f"a batch is a dict of arrays with a common leading example dimension")
+        arrays = {}
+        for key, value in batch.items():
+            if not isinstance(value, (jax.Array, np.ndarray)):
+                try:
+                    value = np.asarray(value)
+                except (TypeError, ValueError):
+                    value = None
+            if value is None or np.dtype(value.dtype).kind not in "biufc":
+                raise DataError(f"batch[{key!r}]: {type(batch[key]).__name__} is not a numeric array (ragged "
+                                f"lists or non-numbers); pass numpy arrays with a leading example dimension")
+            arrays[key] = value
+        sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
         if None in sizes.values() or len(set(sizes.values())) != 1:
-            raise JaxparError(f"batch arrays must share a leading example dimension; got leading sizes {sizes}")
+            raise DataError(f"batch arrays must share a leading example dimension; got leading sizes {sizes}")
         size = next(iter(sizes.values()))
         ways = self.batch_divisor
+        if size == 0:
+            raise DataError(f"batch has 0 rows; a global batch needs a positive multiple of {ways} rows "
+                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices)")
         if size % ways:
-            raise JaxparError(f"global batch size {size} does not divide by the batch axes "
-                              f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways} "
-                              f"(--batch-size)")
+            raise DataError(f"global batch size {size} does not divide by the batch axes "
+                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways}")
+        return arrays, size
+
+    def _placed(self, batch: dict) -> dict[str, jax.Array]:
         return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding else self._place(v)
                 for k, v in batch.items()}
+
+    @staticmethod
+    def _check_state(state) -> None:
+        if not isinstance(state, TrainState):
+            raise StateError(f"state: got {type(state).__name__}; pass the TrainState from trainer.init or "
+                             f"trainer.step")
+        if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            raise StateError("state: its arrays were donated to an earlier call; `step` donates its state: use "
+                             "the state it returned (state, metrics = trainer.step(state, batch))")
 
     def _place(self, rows):
         if jax.process_count() == 1:
@@ -167,27 +231,26 @@ class Trainer:
         `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`)
         and `examples`, the number of examples whose gradient this update applied.
         """
-        sizes = {np.shape(v)[0] for v in batch.values() if np.ndim(v)}
-        replicas = self.num_replicas
-        if any((size // replicas) % self.grad_accum for size in sizes):
-            size = next(iter(sizes))
-            raise JaxparError(f"--grad-accum {self.grad_accum} does not divide the per-replica batch "
-                              f"{size // replicas} (global {size} / {replicas} replicas); use a divisor "
-                              f"of {size // replicas}")
+        self._check_state(state)
+        batch, rows = self._checked_batch(batch)
+        per_replica = rows // self.num_replicas
+        if per_replica % self.grad_accum:
+            raise ConfigError(f"grad_accum {self.grad_accum} does not divide the per-replica batch {per_replica} "
+                              f"(global {rows} / {self.num_replicas} replicas); use a divisor of {per_replica}")
         if step_number is None:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self._ctx, step_number)
-        placed = self.shard_batch(batch)
-        state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
-        rows = max(sizes) if sizes else 0
+        state, metrics = self._steps[plan.variant](state, self._placed(batch), plan.inputs)
         return state, {**metrics, **plan.host_metrics, "examples": float(rows * plan.work_fraction)}
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
+        self._check_state(state)
         return self._eval(state, self.shard_batch(batch))
 
     def params(self, state: TrainState) -> dict:
         """The full parameters, gathered from all shards, as a nested dict of numpy arrays."""
+        self._check_state(state)
         return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(state.params)))
 
     def fit(self, state: TrainState, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),
@@ -201,8 +264,11 @@ class Trainer:
 
         `on_step(step, metrics)` is shorthand for an action called after every step. If the batch iterator runs
         out, a step is refused or an action raises, `fit` raises `FitError` carrying `.state` (the state after
-        `.step` updates, never donated) and the cause.
+        `.step` updates, never donated) and the cause. `steps` = 0 returns `state` unchanged.
         """
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ConfigError(f"steps {steps!r}: must be an integer >= 0 (the number of updates to run)")
+        self._check_state(state)
         actions = list(actions) + ([OnStep(on_step)] if on_step is not None else [])
         iterator = iter(batches)
         step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step

@@ -8,7 +8,7 @@ import functools
 import jax.numpy as jnp
 
 from models.cnn import CNN
-from models.losses import classification_loss, lm_loss
+from models.losses import check_labels, classification_loss, lm_loss
 from models.mlp import MLP
 from models.transformer import Transformer
 
@@ -45,5 +45,5 @@ def loss_for(config):
     return functools.partial(LOSSES[config.model], label_smoothing=getattr(config, "label_smoothing", 0.0))
 
 
-__all__ = ["CNN", "MLP", "Transformer", "LOSSES", "factory", "loss_for", "classification_loss",
+__all__ = ["CNN", "MLP", "Transformer", "LOSSES", "check_labels", "factory", "loss_for", "classification_loss",
            "lm_loss"]

@@ -92,7 +92,7 @@ def test_gradient_accumulation_gives_the_full_batch_update(model, mesh, strategy
 
 def test_grad_accum_not_dividing_the_per_replica_batch_is_an_error():
     trainer = trainer_for("mlp", "2x4", grad_accum=3)
-    with pytest.raises(jaxpar.JaxparError, match=r"--grad-accum 3 does not divide the per-replica batch 8"):
+    with pytest.raises(jaxpar.JaxparError, match=r"^grad_accum 3 does not divide the per-replica batch 8"):
         trainer.step(trainer.init(0), batch_for("mlp", size=16))
 
 

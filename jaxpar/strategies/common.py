@@ -3,10 +3,26 @@ clock of strategies whose replicas meet on a fixed schedule (sync SGD every step
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
+from jaxpar.collectives import Communicator
 from jaxpar.collectives import communicator as make_communicator
+from jaxpar.errors import ConfigError
 from jaxpar.strategies.simulator import Stragglers, bsp_times, parse_stragglers
+
+
+def check_int(where: str, value, low: int, why: str = "", optional: bool = False) -> None:
+    """Refuses anything but an integer >= `low` (bools included: `period=True` is a mistake, not 1).
+
+    `where` names the argument as it is written, e.g. "LocalSGD(period=...)"; `optional`: None is allowed.
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        shown = where.replace("...", repr(value))
+        raise ConfigError(f"{shown}: must be an integer >= {low}{f' ({why})' if why else ''}")
 
 
 def as_stragglers(stragglers) -> Stragglers:
@@ -20,6 +36,14 @@ class StrategyBase:
     local_statistics = True
 
     def __init__(self, allreduce, torus_x, stragglers):
+        cls = type(self).__name__
+        if allreduce is not None and not isinstance(allreduce, (str, Communicator)):
+            raise ConfigError(f"{cls}(allreduce={allreduce!r}): must be None or one of 'psum', 'ring', 'torus2d', "
+                              f"'ps' (or a jaxpar.Communicator)")
+        check_int(f"{cls}(torus_x=...)", torus_x, 1, "X of the X x Y torus2d grid", optional=True)
+        if stragglers is not None and not isinstance(stragglers, (str, Stragglers)):
+            raise ConfigError(f"{cls}(stragglers={stragglers!r}): must be None or a profile string like '3:2.0' "
+                              f"(replica 3 is 2x slower)")
         if torus_x is not None and allreduce is None:
             make_communicator("psum", torus_x)  # raises: --torus applies only to torus2d
         self.communicator = None if allreduce is None else make_communicator(allreduce, torus_x)

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.errors import ConfigError
 from jaxpar.sharding import optimizer_shardings
-from jaxpar.step import apply_gradients, step_key
+from jaxpar.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import SimulatedClock, StrategyBase
+from jaxpar.strategies.common import SimulatedClock, StrategyBase, check_int
 
 SHARDED, BATCH = rep.SHARDED, rep.BATCH
 
@@ -40,10 +39,9 @@ class LocalSGD(StrategyBase):
 
     def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
                  stragglers=None):
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ConfigError(f"--sync-period {period!r}: must be an integer >= 1 (1 = average after every step)")
-        if isinstance(local_after, bool) or not isinstance(local_after, int) or local_after < 0:
-            raise ConfigError(f"--local-after {local_after!r}: must be an integer >= 0 (0 = local from the start)")
+        cls = type(self).__name__
+        check_int(f"{cls}(period=...)", period, 1, "steps between meetings; 1 = average after every step")
+        check_int(f"{cls}(local_after=...)", local_after, 0, "synchronous steps first; 0 = local from the start")
         super().__init__(allreduce or "psum", torus_x, stragglers)
         self.period, self.local_after = period, local_after
         self.clock = SimulatedClock(self.stragglers, period, local_after)
@@ -156,6 +154,8 @@ class DiLoCo(LocalSGD):
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers)
+        if outer_optimizer is not None:
+            check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)
         self.outer_tx = outer_optimizer or optax.sgd(self.OPTIONS["outer_lr"],
                                                      momentum=self.OPTIONS["outer_momentum"], nesterov=True)
 

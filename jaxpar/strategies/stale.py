@@ -28,7 +28,7 @@ from jaxpar.errors import ConfigError, JaxparError
 from jaxpar.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import StrategyBase
+from jaxpar.strategies.common import StrategyBase, check_int
 from jaxpar.strategies.simulator import simulate_ps
 
 
@@ -36,13 +36,15 @@ class SSP(StrategyBase):
     name = "ssp"
     OPTIONS: dict = {"staleness": 2}
     local_statistics = True
+    bounded = True  # staleness is bounded (ASP: None)
 
     def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
-        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
-            raise ConfigError(f"--staleness {staleness!r}: must be an integer >= 0 (0 = BSP = sync SGD)")
-        if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
-            raise ConfigError(f"horizon {horizon!r}: must be an integer >= 1 (the number of updates to plan)")
+        cls = type(self).__name__
+        if self.bounded:  # ASP passes None: no bound
+            check_int(f"{cls}(staleness=...)", staleness, 0, "0 = BSP = sync SGD")
+        check_int(f"{cls}(horizon=...)", horizon, 1, "the number of updates to plan")
+        check_int(f"{cls}(max_buffer_bytes=...)", max_buffer_bytes, 1, "None = half the device memory", optional=True)
         super().__init__(allreduce or "psum", torus_x, stragglers)
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
         self._schedules: dict[int, list] = {}  # replica count -> simulated updates (only ever extended)
@@ -134,6 +136,7 @@ class SSP(StrategyBase):
 class ASP(SSP):
     name = "asp"
     OPTIONS: dict = {}
+    bounded = False
 
     def __init__(self, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
