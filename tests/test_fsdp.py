@@ -50,7 +50,7 @@ def test_sync_step_all_gathers_fsdp_parameters():
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
     # ZeRO-3: each parameter gathered once (XLA keeps it for the backward pass), the gradient reduced once; no
     # activations moved (without the step's layout constraint the partitioner moved 12-24x these bytes)
-    assert 0.9 * param_bytes <= stats["all-gather"]["bytes"] <= param_bytes
+    assert 0.9 * param_bytes <= stats["all-gather"]["bytes"] <= 1.05 * param_bytes
     assert stats["all-reduce"]["bytes"] <= param_bytes + 64
     assert stats["all-to-all"]["count"] == 0
 
