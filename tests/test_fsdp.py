@@ -52,7 +52,7 @@ def test_sync_step_all_gathers_fsdp_parameters():
     # activations moved (without the step's layout constraint the partitioner moved 12-24x these bytes)
     assert 0.9 * param_bytes <= stats["all-gather"]["bytes"] <= 1.05 * param_bytes
     assert stats["all-reduce"]["bytes"] <= param_bytes + 64
-    assert stats["all-to-all"]["count"] == 0
+    assert stats["all-to-all"]["bytes"] + stats["collective-permute"]["bytes"] < 0.05 * param_bytes
 
 
 class Classifier(nnx.Module):
