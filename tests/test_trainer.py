@@ -92,7 +92,7 @@ def test_linen_module_through_the_adapter_is_sharded_and_mesh_invariant():
         for _ in range(3):
             state, metrics = trainer.step(state, batch)
         results[mesh] = trainer.params(state), float(metrics["loss"])
-    kernel = state.params["Dense_0"]["kernel"]
+    kernel = state.params["linen"]["Dense_0"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     np.testing.assert_allclose(results["2x4"][1], results["1x1"][1], rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), results["2x4"][0], results["1x1"][0])
