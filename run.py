@@ -8,6 +8,7 @@ import threading
 
 import jaxpar
 from jaxpar.config import load_config_file, same_file
+from jaxpar.errors import Terminated
 from jaxpar.experiment import train
 from jaxpar.flags import add_flags, overrides
 
@@ -37,10 +38,6 @@ def parse(argv) -> jaxpar.Config:
         raise jaxpar.ConfigError(f"--metrics {config.metrics!r}: is the --config file (it would be overwritten); "
                                  f"pass another path, e.g. run.jsonl")
     return config.validate().resolved()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so the run ends the same way."""
 
 
 def _on_sigterm(signum, frame):

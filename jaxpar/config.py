@@ -367,8 +367,9 @@ class Config:
 
     def _check_metrics_is_not_data(self) -> None:
         metrics, text = self.metrics, self.data
-        if metrics and text and (same_file(metrics, text) or (
-                os.path.isdir(text) and os.path.realpath(metrics).startswith(os.path.join(os.path.realpath(text), "")))):
+        inside = text and os.path.isdir(text) and os.path.realpath(metrics or "").startswith(
+            os.path.join(os.path.realpath(text), ""))
+        if metrics and text and (same_file(metrics, text) or inside):
             raise ConfigError(f"--metrics {metrics!r}: is --data {text!r} or inside it (it would overwrite the "
                               f"training text, or be read as text by the next run); pass a path outside it, e.g. "
                               f"run.jsonl")

@@ -48,3 +48,7 @@ class FitError(JaxparError):
     def __init__(self, message: str, state=None, step: int | None = None):
         super().__init__(message)
         self.state, self.step = state, step
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (run.py), so the run ends the same way."""

@@ -19,7 +19,7 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.errors import ConfigError, DataError, JaxparError
+from jaxpar.errors import ConfigError, DataError, JaxparError, Terminated
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
@@ -58,12 +58,16 @@ def make_optimizer(config: Config, schedule) -> optax.GradientTransformation:
 def datasets(config: Config, size_at, largest: int):
     """(train batches, held-out source or None) for the config's model."""
     if config.model == "transformer":
-        train_tokens, val_tokens = data.split_text(data.load_text(config.data), seq_len=config.seq_len)
+        tokens = data.load_text(config.data)
+        models.check_labels({"tokens": tokens}, config.vocab)  # bytes < 256 <= vocab: a cheap guard all the same
+        train_tokens, val_tokens = data.split_text(tokens, seq_len=config.seq_len)
         train = data.text_batches(train_tokens, size_at, config.seq_len, config.seed, "training text",
                                   largest_batch=largest)
         held_out = data.TextWindows(val_tokens, config.seq_len)
     else:
         train_split, test_split = data.load_digits()
+        for split in (train_split, test_split):
+            models.check_labels(split, 10)
         train = data.array_batches(train_split, size_at, config.seed, "digits training split", largest_batch=largest)
         held_out = data.ArraySource(test_split)
     return train, held_out
@@ -224,7 +228,7 @@ def _train(config: Config, jsonl) -> dict:
         seconds = time.perf_counter() - started
     except BaseException as error:  # training started: keep what was logged, and say how it ended
         reason = (str(error) if isinstance(error, JaxparError) else
-                  "terminated" if type(error).__name__ == "Terminated" else
+                  "terminated" if isinstance(error, Terminated) else
                   "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}")
         try:
             logger.write({"stopped": reason})

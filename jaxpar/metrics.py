@@ -52,7 +52,11 @@ class JsonlFile:
             raise JaxparError(f"{flag} {path!r}: cannot create a file in {folder!r} ({error.strerror}); pass a path "
                               f"in a writable folder, e.g. run.jsonl") from None
         self._file = os.fdopen(fd, "w", encoding="utf-8")
+        umask = os.umask(0)
+        os.umask(umask)
         try:
+            # the mode open() would give (mkstemp makes it private), or the replaced file's
+            os.fchmod(fd, os.stat(self.path).st_mode & 0o7777 if os.path.isfile(self.path) else 0o666 & ~umask)
             self._file.write("\n")
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -114,8 +118,10 @@ class RunLogger:
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         """Call after every step; prints and records every `log_every` steps (and the first and last)."""
-        metrics = dict(metrics)
+        metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # array metrics: not logged
         self._examples += metrics.pop("examples", self.batch_at(step - 1))
+        if step == 1:
+            self._first_done = time.perf_counter()  # the ETA leaves out the first step: it includes compilation
         if step % self.log_every and step not in (1, self.total_steps):
             return
         now = time.perf_counter()
@@ -123,7 +129,9 @@ class RunLogger:
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
         self._last_step, self._last_time, self._examples = step, now, 0.0
         self.write(record)
-        remaining = (self.total_steps - step) * (now - self._start) / step if step > 1 else math.nan
+        first_done = getattr(self, "_first_done", None)
+        remaining = ((self.total_steps - step) * (now - first_done) / (step - 1)
+                     if step > 1 and first_done is not None else math.nan)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
         first = "  (includes compilation)" if step == 1 else ""

@@ -85,18 +85,24 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _is_scalar(value) -> bool:
+def _is_numeric(value) -> bool:
     try:
         dtype = jnp.result_type(value)
     except TypeError:
         return False
-    return jnp.ndim(value) == 0 and (jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_)
+    return jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_
+
+
+def _is_scalar(value) -> bool:
+    return _is_numeric(value) and jnp.ndim(value) == 0
 
 
 def call_loss(loss_fn, model, batch, rngs):
     """`loss_fn(model, batch, rngs)`, checked against the contract at trace time (no cost at run time).
 
-    Raises `ModelError` naming what came back instead of `(scalar loss, dict of scalar metrics)`.
+    Raises `ModelError` naming what came back instead of `(scalar loss, dict of metrics)`. Metrics are numeric
+    arrays; scalars are what `fit` logs (an array metric, e.g. per-example predictions, is returned by `step` and
+    passed to actions as a numpy array, but not written to the JSONL).
     """
     out = loss_fn(model, batch, rngs)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -108,8 +114,9 @@ def call_loss(loss_fn, model, batch, rngs):
     if not isinstance(metrics, Mapping):
         raise ModelError(f"{LOSS_CONTRACT}; its metrics are {_describe(metrics)} (return {{}} for none)")
     for name, value in metrics.items():
-        if not isinstance(name, str) or not _is_scalar(value):
-            raise ModelError(f"{LOSS_CONTRACT}; metric {name!r} is {_describe(value)}, not a numeric scalar")
+        if not isinstance(name, str) or not _is_numeric(value):
+            raise ModelError(f"{LOSS_CONTRACT}; metric {name!r} is {_describe(value)}, not a numeric array or "
+                             f"scalar")
     return loss, metrics
 
 

@@ -56,7 +56,9 @@ class Trainer:
     `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced. Batches: a dict of
     arrays with a common leading example dimension; numpy / jax arrays, or nested lists of numbers (converted with
     `np.asarray`). Integer labels are not range-checked inside the step (that would need a device-to-host sync);
-    check them on the host, e.g. with `models.losses.check_labels`.
+    check them on the host, e.g. with `models.losses.check_labels`. `step` donates its state (use the state it
+    returns; an old one raises `StateError`). Each new batch shape compiles the step again: logged once per shape
+    (not for the first compilation) to the `jaxpar` logger at WARNING.
     """
 
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
@@ -66,12 +68,12 @@ class Trainer:
         if isinstance(model, nnx.Module) or not callable(model):
             raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
                              f"itself, or lambda rngs: MyModel(..., rngs=rngs)), not a built module")
-        for argument, fn in (("loss_fn", loss_fn), ("eval_loss_fn", eval_loss_fn)):
-            if not callable(fn) and not (argument == "eval_loss_fn" and fn is None):
+        for argument, fn in (("loss_fn", loss_fn), ("eval_loss_fn", eval_loss_fn or loss_fn)):
+            if not callable(fn):
                 raise ModelError(f"{argument} {fn!r}: not a function; {argument} is (model, batch[, rngs]) -> "
                                  f"(scalar loss, dict of metrics)")
         check_optimizer("optimizer", optimizer)
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ConfigError(f"grad_accum {grad_accum!r}: must be an integer >= 1 (microbatches per update)")
         if strategy is not None and not all(callable(getattr(strategy, m, None))
                                             for m in ("init", "shardings", "steps", "plan")):
@@ -137,8 +139,9 @@ class Trainer:
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
             shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
             log.warning(f"step variant {name!r} compiles again (compilation {count}) for a new batch shape "
-                        f"{{{shapes}}}; each new batch shape compiles the step anew: keep batch shapes fixed "
-                        f"(e.g. drop or pad the last batch)")
+                        f"{{{shapes}}}: each new batch shape compiles the step anew (expected once per size of a "
+                        f"deliberate batch-size ramp; otherwise keep batch shapes fixed, e.g. drop or pad the last "
+                        f"batch)")
         return out
 
     def _eval_step(self, state, batch):
@@ -302,7 +305,8 @@ class Trainer:
 
     def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
         step, metrics = pending
-        host = {k: float(v) for k, v in jax.device_get(metrics).items()}  # blocks until that step is done
+        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v)  # blocks until that step is done
+                for k, v in jax.device_get(metrics).items()}
         is_last = step == last
         for action in actions:
             if not action.due(step, is_last):

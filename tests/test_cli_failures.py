@@ -130,9 +130,10 @@ def test_jsonl_file_probe_names_the_flag_when_the_folder_refuses_files():
     (["--lr", "1e400"], "--lr inf: must be a finite number"),
     (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number; e.g. --weight-decay 0.0"),
     (["--strategy", "diloco", "--outer-lr", "inf"], "--outer-lr inf: must be a finite number; e.g. --outer-lr 0.7"),
-    (["--strategy", "asp", "--stragglers", "1:1e308"], "slowdown 1e308 of replica 1 must be a number in (0, 1e+06]"),
-    (["--strategy", "asp", "--stragglers", "jitter=800"], "jitter 800 must be a number in [0, 10]"),
-    (["--strategy", "asp", "--stragglers", "jitter=1e308"], "jitter 1e308 must be a number in [0, 10]"),
+    (["--strategy", "asp", "--stragglers", "1:1e308"],
+     "slowdown 1e308 of replica 1 must be a finite number > 0 and at most 1e+06"),
+    (["--strategy", "asp", "--stragglers", "jitter=800"], "jitter 800 must be a finite number >= 0 and at most 10"),
+    (["--strategy", "asp", "--stragglers", "jitter=1e308"], "jitter 1e308 must be a finite number >= 0 and at most 10"),
     (["--batch-ramp", "0:0"], "--batch-ramp '0:0': size 0 of the stage from step 0 is not a batch; use sizes >= 1"),
 ])
 def test_non_finite_and_absurd_numbers_are_refused_up_front(args, contains, capsys):
@@ -146,6 +147,9 @@ def test_jsonl_values_are_strict_json_with_null_for_non_finite(tmp_path):
     logger.close()
     record = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[1])
     assert record["loss"] is None and record["grad"] is None and record["step"] == 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(tmp_path / "m.jsonl").st_mode & 0o777 == 0o666 & ~umask  # not the temporary file's 0600
 
 
 # --- 4. values that must not allocate absurdly -----------------------------------------------------------------------
@@ -165,6 +169,12 @@ def test_the_simulated_clock_is_lazy_and_matches_bsp_times():
     np.testing.assert_allclose(first, bsp_times(stragglers, 4, 5000), rtol=0, atol=1e-9)
     local = bsp_clock(stragglers, 4, period=3)
     np.testing.assert_allclose([next(local) for _ in range(9)], bsp_times(stragglers, 4, 9, period=3))
+
+
+def test_ssp_schedule_length_is_bounded_with_a_one_line_error(capsys):
+    fails([*MLP, "--strategy", "ssp", "--steps", "1000000000"], capsys,
+          contains="--steps 1000000000: too many for ssp / asp, whose schedule is simulated on the host up front "
+                   "(at most 1,000,000 updates); use --steps 1000000 or fewer")
 
 
 def test_staleness_and_local_after_beyond_the_run_are_capped_for_the_strategy():
@@ -259,7 +269,8 @@ def test_binary_data_trains_on_raw_bytes_with_a_note(tmp_path):
     assert len(tokens) == 1 + 127 * 64
     assert [r.getMessage() for r in seen.records] == [
         f"--data {str(blob)!r} is not text (a NUL byte at offset 0); training on its raw bytes anyway"]
-    assert data.binary_note(np.frombuffer(b"caf\xc3\xa9 \xff", np.uint8)) == "is not UTF-8 text (invalid byte at offset 6)"
+    invalid = np.frombuffer(b"caf\xc3\xa9 \xff", np.uint8)
+    assert data.binary_note(invalid) == "is not UTF-8 text (invalid byte at offset 6)"
     assert data.binary_note(np.frombuffer("naïve text é"[:-1].encode() + "é".encode()[:1], np.uint8)) is None
 
 

@@ -81,7 +81,7 @@ class SimulatedClock:
     def time_after(self, num_replicas: int, step_number: int) -> float:
         times = self._times.get(num_replicas, np.zeros(0))
         if step_number >= len(times):  # extended geometrically
-            total = max(2 * step_number + 1, 1024, self.sync_steps + 1)
+            total = max(2 * step_number + 1, 1024)  # never the whole synchronous prefix at once: it may be huge
             synced = bsp_times(self.stragglers, num_replicas, min(self.sync_steps, total), 1)
             start = synced[-1] if len(synced) else 0.0
             local = start + bsp_times(self.stragglers, num_replicas, total - len(synced), self.period)

@@ -35,6 +35,7 @@ TIME_TOLERANCE = 1e-9
 # MAX_SLOWDOWN x e^(MAX_JITTER x |z|); |z| > 9 has probability < 1e-18 per draw, and exp overflows only past 709.
 MAX_SLOWDOWN = 1e6
 MAX_JITTER = 10.0
+MAX_SIMULATED_UPDATES = 10 ** 6  # ~35 s and ~200 MB of host time and memory on this machine
 
 _SPEC_HELP = ("expected comma-separated REPLICA:SLOWDOWN items plus optional jitter=J and seed=N, "
               "e.g. '3:2.0,5:1.5,jitter=0.1'")
@@ -91,8 +92,9 @@ def parse_stragglers(spec: str | None) -> Stragglers:
         except ValueError:
             raise bad(f"cannot read {item!r}; {_SPEC_HELP}") from None
         if key == "jitter" and not 0 <= jitter <= MAX_JITTER:
-            raise bad(f"jitter {value} must be a number in [0, {MAX_JITTER:g}] (the std of the log of a compute time; "
-                      f"{MAX_JITTER:g} already spreads times over e^+-{3 * MAX_JITTER:g}), e.g. jitter=0.1")
+            raise bad(f"jitter {value} must be a finite number >= 0 and at most {MAX_JITTER:g} (the std of the log "
+                      f"of a compute time; {MAX_JITTER:g} already spreads times over e^+-{3 * MAX_JITTER:g}), "
+                      f"e.g. jitter=0.1")
         if key == "seed" and seed < 0:
             raise bad(f"seed {value} must be an integer >= 0, e.g. seed=7")
         if sep == ":":
@@ -101,8 +103,8 @@ def parse_stragglers(spec: str | None) -> Stragglers:
             if replica in slowdown:
                 raise bad(f"replica {replica} is given twice; give each replica one slowdown")
             if not 0 < factor <= MAX_SLOWDOWN:
-                raise bad(f"slowdown {value} of replica {replica} must be a number in (0, {MAX_SLOWDOWN:g}] "
-                          f"(2.0 = twice as slow), e.g. {replica}:2.0")
+                raise bad(f"slowdown {value} of replica {replica} must be a finite number > 0 and at most "
+                          f"{MAX_SLOWDOWN:g} (2.0 = twice as slow), e.g. {replica}:2.0")
             slowdown[replica] = factor
     return Stragglers(slowdown, jitter, seed)
 
@@ -153,6 +155,10 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     bound = _check_staleness(staleness_bound)
     _check_int("num_replicas (the data-axis size)", num_replicas, 1)
     _check_int("num_updates", num_updates, 0)
+    if num_updates > MAX_SIMULATED_UPDATES:  # the whole list is simulated and held before training
+        raise ConfigError(f"--steps {num_updates}: too many for ssp / asp, whose schedule is simulated on the host "
+                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use --steps "
+                          f"{MAX_SIMULATED_UPDATES} or fewer")
     # A worker delivers at most once per update, plus one gradient in flight: num_updates + 1 rows suffice.
     costs = compute_times(stragglers, num_replicas, num_updates + 1).tolist()
     replicas = range(num_replicas)

@@ -63,7 +63,8 @@ class SSP(StrategyBase):
         """B: S + 1 for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
         if num_replicas not in self._buffers:
             horizon = self.schedule(num_replicas, self.horizon)[:self.horizon]
-            self._buffers[num_replicas] = self.bound + 1 if self.bound is not None else int(
+            # staleness never exceeds the number of updates planned, so SSP(20000) on a 5-step run keeps 6 versions
+            self._buffers[num_replicas] = min(self.bound, self.horizon) + 1 if self.bound is not None else int(
                 max(u.staleness.max() for u in horizon)) + 1
         return self._buffers[num_replicas]
 
