@@ -52,3 +52,7 @@ class FitError(JaxparError):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (run.py), so the run ends the same way."""
+
+
+class ResourceError(JaxparError):
+    """The run does not fit the devices (memory), refused before allocating or reported at once, never a hang."""

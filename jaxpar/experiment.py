@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import jax
@@ -19,7 +20,7 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.errors import ConfigError, DataError, JaxparError, Terminated
+from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError, Terminated
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
@@ -150,6 +151,26 @@ def strategy_config(config: Config) -> Config:
     return config.replace(**capped) if capped else config
 
 
+# The flag that sets each logical dimension of the built-in models (None: fixed by the dataset).
+_DIMENSION_FLAGS = {"transformer": {"mlp": "d_ff", "heads": "heads", "vocab": "vocab", "embed": "d_model"},
+                    "mlp": {"mlp": "hidden"}, "cnn": {"mlp": "channels"}}
+_NOT_DIVISIBLE = re.compile(r"^model dimension '(?P<name>[^']+)' = (?P<size>\d+) \(parameter [^)]*\) is not divisible "
+                            r"by mesh axis '(?P<axis>[^']+)' of size (?P<ways>\d+)")
+
+
+def _as_flag_error(error: ShardingError, config: Config) -> JaxparError:
+    """A built-in model's dimension that does not divide, said in flags (`--hidden`, not the logical `mlp`)."""
+    found = _NOT_DIVISIBLE.match(str(error))
+    flag = found and _DIMENSION_FLAGS.get(config.model, {}).get(found["name"])
+    if not flag:
+        return error
+    size, axis, ways = found["size"], found["axis"], int(found["ways"])
+    shown = f"--{flag.replace('_', '-')}" if flag != "channels" else "channels (config file)"
+    fits = [d for d in range(1, ways + 1) if int(size) % d == 0 and ways % d == 0][-1]
+    return ConfigError(f"{shown} {size} does not divide by the {axis} axis of size {ways} (--mesh {config.mesh}); "
+                       f"use a multiple of {ways} for {shown}, or a {axis} axis that divides {size} (e.g. {fits})")
+
+
 def train(config: Config) -> dict:
     """Trains `config.model` and returns a summary (final training metrics, held-out metrics, throughput)."""
     config = config.validate().resolved()
@@ -187,10 +208,13 @@ def _train(config: Config, jsonl) -> dict:
     local_bn = config.bn == "local" or strategy.local_statistics
     # local BatchNorm = each replica's slice; under shard_map the replica's slice is all the step sees already
     bn_groups = replicas if local_bn and not strategy.local_statistics else 1
-    trainer = Trainer(model=models.factory(config, bn_groups=bn_groups),
-                      loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
-                      optimizer=make_optimizer(config, schedule), mesh=mesh,
-                      rules=config.rules, strategy=strategy, grad_accum=config.grad_accum)
+    try:
+        trainer = Trainer(model=models.factory(config, bn_groups=bn_groups),
+                          loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
+                          optimizer=make_optimizer(config, schedule), mesh=mesh,
+                          rules=config.rules, strategy=strategy, grad_accum=config.grad_accum)
+    except ShardingError as error:
+        raise _as_flag_error(error, config) from None
     state = trainer.init(config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     bn = f"; BatchNorm {'local' if local_bn else 'sync'}" if config.model == "cnn" else ""

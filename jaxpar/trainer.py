@@ -30,7 +30,8 @@ from jax.sharding import Mesh
 from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
-from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, StateError
+from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
+from jaxpar.strategies.stale import device_memory
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
 
@@ -171,7 +172,30 @@ class Trainer:
         """A fresh train state; the same seed (an integer in [0, 2**32)) gives the same parameters on every mesh."""
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
             raise ConfigError(f"seed {seed!r}: must be an integer in [0, 2**32)")
-        return self._init(jnp.asarray(seed, jnp.uint32))
+        self._check_memory()
+        state = self._init(jnp.asarray(seed, jnp.uint32))
+        try:
+            # A device error (e.g. out of memory) surfaces here at once; reading `state.step` first would wait
+            # forever on XLA:CPU (the failed computation never marks that buffer ready).
+            jax.block_until_ready((state.params, state.opt_state, state.strategy_state))
+        except jax.errors.JaxRuntimeError as error:
+            raise ResourceError(f"creating the train state failed on the device: {str(error).splitlines()[0]}; "
+                                f"it needs {self.state_bytes_per_device():,} bytes per device: use a smaller model "
+                                f"or split it over more devices (fsdp / model axes)") from None
+        return state
+
+    def state_bytes_per_device(self) -> int:
+        """Bytes the train state takes on the fullest device (parameters, optimizer and strategy state)."""
+        abstract = jax.eval_shape(self._init_state, jnp.asarray(0, jnp.uint32))
+        return shd.bytes_per_device(abstract, self.state_shardings)
+
+    def _check_memory(self) -> None:
+        """Refuses a train state that cannot fit in one device's memory, before anything is allocated."""
+        needed, available = self.state_bytes_per_device(), device_memory(self.mesh)
+        if needed > available:
+            raise ResourceError(f"the train state needs {needed:,} bytes per device but a device has {available:,}; "
+                                f"use a smaller model, or split parameters and optimizer state over more devices "
+                                f"(a larger fsdp or model axis)")
 
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         """Places a global batch on the mesh, examples split over the batch axes (a no-op for placed arrays)."""

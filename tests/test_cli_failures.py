@@ -297,3 +297,23 @@ def test_sigterm_ends_the_run_like_ctrl_c_and_keeps_the_jsonl(tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["steps"] == 100000 and records[1]["step"] == 1 and records[-1] == {"stopped": "terminated"}
     assert not leftovers(tmp_path)
+
+
+def test_a_model_too_large_for_memory_is_refused_in_one_line_not_a_hang(capsys, tmp_path):
+    """It used to wait forever in device_get(state.step) after the device failed to allocate the parameters."""
+    metrics = tmp_path / "m.jsonl"
+    assert run.main(["--model", "mlp", "--hidden", "4000000000", "--mesh", "8", "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: the train state needs 3,600,000,000,152 bytes per device but a device has ")
+    assert err.count("\n") == 1 and not metrics.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "mlp", "--mesh", "1x3"], "--hidden 128 does not divide by the model axis of size 3 (--mesh 1x3); use a "
+                                          "multiple of 3 for --hidden"),
+    (["--mesh", "1x3"], "--heads 4 does not divide by the model axis of size 3 (--mesh 1x3)"),
+])
+def test_a_model_dimension_that_does_not_divide_names_the_flag_not_the_logical_axis(args, message, capsys):
+    assert run.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

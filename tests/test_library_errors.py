@@ -297,3 +297,18 @@ def test_a_new_batch_shape_warns_once():
     assert warnings[0].startswith("step variant 'sync' compiles again (compilation 2) for a new batch shape "
                                   "{image: float32[8, 8, 8, 1], label: int32[8]}")
     assert "label: int32[24]" in warnings[1]
+
+
+class Huge(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.zeros((2**36,), jnp.float32))  # 256 GiB
+
+    def __call__(self, x):
+        return x.sum() * self.w[0]
+
+
+def test_a_train_state_too_large_for_a_device_is_refused_before_allocating_never_a_hang():
+    trainer = jaxpar.Trainer(Huge, lambda m, b: (m(b["x"]), {}), optax.sgd(0.1), jaxpar.make_mesh("1x1"))
+    with raises(jaxpar.ResourceError, r"^the train state needs 274,877,906,9\d\d bytes per device but a device has "
+                                      r"[\d,]+; use a smaller model"):
+        trainer.init(0)

@@ -100,7 +100,7 @@ class SSP(StrategyBase):
     def _check_memory(self, ctx, buffer):
         per_device = sum(math.prod(s.shard_shape(p.shape)) * p.dtype.itemsize for p, s in zip(
             jax.tree.leaves(ctx.abstract_params), jax.tree.leaves(ctx.param_shardings)))
-        limit = self.max_buffer_bytes if self.max_buffer_bytes is not None else _device_memory(ctx) // 2
+        limit = self.max_buffer_bytes if self.max_buffer_bytes is not None else device_memory(ctx.mesh) // 2
         if buffer * per_device > limit:
             raise ConfigError(f"--strategy {self.name}: the schedule's largest staleness is {buffer - 1}, so the "
                               f"parameter-version buffer needs {buffer} x {per_device:,} bytes per device, more than "
@@ -145,9 +145,9 @@ class ASP(SSP):
                          max_buffer_bytes=max_buffer_bytes)
 
 
-def _device_memory(ctx) -> int:
+def device_memory(mesh) -> int:
     """Bytes one device may use: its reported limit, or on CPU the machine's memory shared by its devices."""
-    device = ctx.mesh.devices.flat[0]
+    device = mesh.devices.flat[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
