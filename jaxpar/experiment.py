@@ -217,21 +217,33 @@ def _train(config: Config, jsonl) -> dict:
         raise _as_flag_error(error, config) from None
     state = trainer.init(config.seed)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-    bn = f"; BatchNorm {'local' if local_bn else 'sync'}" if config.model == "cnn" else ""
+    bn = ""
+    if config.model == "cnn":  # only the CNN has BatchNorm; say why it is local when the strategy decides it
+        why = " (each replica computes on its own slice under this strategy)" if strategy.local_statistics else ""
+        bn = f"; BatchNorm {'local' if local_bn else 'sync'}{why}"
+    per_replica = f"{size_at(0) // replicas} per replica" + (" at first" if config.batch_ramp else "")
     print(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh {mesh_lib.shape_line(mesh)} "
           f"({mesh.size} {mesh.devices.flat[0].platform} devices); global batch "
-          f"{config.batch_ramp or config.batch_size} ({size_at(0) // replicas} per replica at first); strategy "
-          f"{config.strategy}{bn}; {config.steps} steps", flush=True)
+          f"{config.batch_ramp or config.batch_size} ({per_replica}); strategy {config.strategy}{bn}; "
+          f"{config.steps} steps", flush=True)
+    if config.strategy in ("ssp", "asp") and not config.stragglers:
+        print(f"jaxpar: note: --strategy {config.strategy} without --stragglers: every replica is equally fast, so "
+              f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
+              f"staleness)", flush=True)
 
     host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
-    logger = RunLogger(config.steps, size_at, config.log_every, jsonl)
+    # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
+    logger = RunLogger(config.steps, size_at, config.log_every, jsonl,
+                       quiet=() if config.stragglers else ("sim_time",))
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):
             return step == 1 or step % config.log_every == 0 or last
 
         def __call__(self, event):
-            event.metrics.update(lr=float(host_lrs(event.step - 1)), batch_size=float(size_at(event.step - 1)))
+            # SSP / ASP: the batch whose gradient the update applied (the contributing replicas' examples)
+            batch = event.metrics.get("examples", size_at(event.step - 1))
+            event.metrics.update(lr=float(host_lrs(event.step - 1)), batch_size=float(batch))
 
     def on_eval(step, results):
         logger.write({"step": step, **{"eval_" + k: v for k, v in results.items()}})

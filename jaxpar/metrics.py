@@ -106,8 +106,9 @@ class JsonlFile:
 
 class RunLogger:
     def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
-                 stream: IO[str] | None = None):
+                 stream: IO[str] | None = None, quiet=()):
         self.total_steps, self.log_every = total_steps, log_every
+        self.quiet = set(quiet)  # metrics recorded in the JSONL but not printed
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
         self.batch_at = global_batch if callable(global_batch) else (lambda step: global_batch)
         self.stream = stream
@@ -132,7 +133,7 @@ class RunLogger:
         first_done = getattr(self, "_first_done", None)
         remaining = ((self.total_steps - step) * (now - first_done) / (step - 1)
                      if step > 1 and first_done is not None else math.nan)
-        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in self.quiet)
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
         first = "  (includes compilation)" if step == 1 else ""
         print(f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{eta}{first}", file=self.stream or sys.stdout,

@@ -317,3 +317,22 @@ def test_a_model_dimension_that_does_not_divide_names_the_flag_not_the_logical_a
     assert run.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_progress_output_says_what_is_true(capsys, tmp_path):
+    """No sim_time without stragglers; no "at first" without a ramp; ASP without stragglers is said to be sync;
+    SSP / ASP progress shows the contributing batch."""
+    assert run.main(["--model", "mlp", "--mesh", "4x2", "--strategy", "asp", "--steps", "2", "--log-every", "1",
+                     "--eval-batches", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "(8 per replica)" in out and "at first" not in out
+    assert "--strategy asp without --stragglers: every replica is equally fast" in out
+    assert all("sim_time" not in line for line in out.splitlines() if line.startswith("step "))
+    metrics = tmp_path / "m.jsonl"
+    assert run.main(["--model", "mlp", "--mesh", "4x2", "--strategy", "asp", "--stragglers", "3:2.0", "--steps", "2",
+                     "--log-every", "1", "--eval-batches", "0", "--metrics", str(metrics)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert "contributors 3" in lines[0] and "batch_size 24" in lines[0] and "sim_time 1" in lines[0]
+    assert "contributors 4" in lines[1] and "batch_size 32" in lines[1]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
+    assert [r["batch_size"] for r in records[:2]] == [24.0, 32.0]
