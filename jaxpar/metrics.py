@@ -121,6 +121,7 @@ class RunLogger:
         """Call after every step; prints and records every `log_every` steps (and the first and last)."""
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # array metrics: not logged
         self._examples += metrics.pop("examples", self.batch_at(step - 1))
+        self._compiled = metrics.pop("compiled", 0.0) > 0 or getattr(self, "_compiled", False)
         if step == 1:
             self._first_done = time.perf_counter()  # the ETA leaves out the first step: it includes compilation
         if step % self.log_every and step not in (1, self.total_steps):
@@ -128,6 +129,9 @@ class RunLogger:
         now = time.perf_counter()
         rate = self._examples / max(now - self._last_time, 1e-9)
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
+        compiled, self._compiled = self._compiled, False
+        if compiled:  # the window's time includes a compilation (the first step, a batch-ramp size, ...)
+            record["includes_compilation"] = True
         self._last_step, self._last_time, self._examples = step, now, 0.0
         self.write(record)
         first_done = getattr(self, "_first_done", None)
@@ -135,7 +139,7 @@ class RunLogger:
                      if step > 1 and first_done is not None else math.nan)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in self.quiet)
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
-        first = "  (includes compilation)" if step == 1 else ""
+        first = "  (includes compilation)" if compiled else ""
         print(f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{eta}{first}", file=self.stream or sys.stdout,
               flush=True)
 

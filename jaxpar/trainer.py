@@ -255,8 +255,9 @@ class Trainer:
         """One update; `state` is donated (do not reuse it). Metrics stay on device until read.
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
-        `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`)
-        and `examples`, the number of examples whose gradient this update applied.
+        `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`),
+        `examples`, the number of examples whose gradient this update applied, and `compiled` (1.0) when this call
+        compiled the step.
         """
         self._check_state(state)
         batch, rows = self._checked_batch(batch)
@@ -267,8 +268,12 @@ class Trainer:
         if step_number is None:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self._ctx, step_number)
+        traces = self.trace_count
         state, metrics = self._steps[plan.variant](state, self._placed(batch), plan.inputs)
-        return state, {**metrics, **plan.host_metrics, "examples": float(rows * plan.work_fraction)}
+        host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
+        if self.trace_count > traces:  # this call compiled (the first step, a new batch shape, a new variant)
+            host["compiled"] = 1.0
+        return state, {**metrics, **host}
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""

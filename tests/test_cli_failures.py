@@ -336,3 +336,13 @@ def test_progress_output_says_what_is_true(capsys, tmp_path):
     assert "contributors 4" in lines[1] and "batch_size 32" in lines[1]
     records = [json.loads(line) for line in metrics.read_text().splitlines()][1:]
     assert [r["batch_size"] for r in records[:2]] == [24.0, 32.0]
+
+
+def test_a_batch_ramp_recompile_is_labelled_in_the_record_that_pays_for_it(capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    assert run.main(["--model", "mlp", "--mesh", "8", "--batch-ramp", "32:0,64:2", "--steps", "4", "--log-every", "1",
+                     "--eval-batches", "0", "--metrics", str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][1:5]
+    assert [r.get("includes_compilation", False) for r in records] == [True, False, True, False]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert ["(includes compilation)" in line for line in lines] == [True, False, True, False]
