@@ -2,13 +2,15 @@
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 import jaxpar
 from jaxpar.config import load_config_file, same_file
-from jaxpar.errors import Terminated
+from jaxpar.errors import Terminated, cli_message
+from jaxpar.resources import DeviceError
 from jaxpar.experiment import train
 from jaxpar.flags import add_flags, overrides
 
@@ -49,6 +51,19 @@ class _Stdout(logging.StreamHandler):  # writes to whatever sys.stdout is at the
     stream = property(lambda self: sys.stdout, lambda self, value: None)
 
 
+_device_failed = threading.Event()  # a step failed on the device: other devices may stay blocked in a collective
+
+
+def cli(argv=None) -> None:
+    """`main` as a process: exits with its code; after a device failure without waiting for blocked devices."""
+    code = main(argv)
+    if _device_failed.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # the message and the metrics file are written; XLA's blocked threads would never end
+    sys.exit(code)
+
+
 def main(argv=None) -> int:
     notes = logging.getLogger("jaxpar")  # the trainer's start-up notes (e.g. parameters FSDP leaves whole)
     if not notes.handlers:
@@ -61,7 +76,9 @@ def main(argv=None) -> int:
     try:
         summary = train(parse(argv))
     except jaxpar.JaxparError as error:
-        print(f"run.py: error: {error}", file=sys.stderr)
+        print(f"run.py: error: {cli_message(error)}", file=sys.stderr)
+        if isinstance(error, DeviceError):
+            _device_failed.set()
         return 2
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM as Terminated: the JSONL is saved either way
         terminated = isinstance(stop, Terminated)
@@ -75,4 +92,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -4,15 +4,16 @@ from jaxpar import actions
 from jaxpar.actions import Action, Evaluate, StepEvent
 from jaxpar.collectives import Communicator, communicator
 from jaxpar.config import Config
-from jaxpar.errors import (ConfigError, DataError, FitError, JaxparError, MeshError, ModelError, ResourceError,
-                           ShardingError, StateError)
+from jaxpar.errors import (ConfigError, DataError, FitError, JaxparError, MeshError, ModelError, OptionError,
+                           ResourceError, ShardingError, StateError)
 from jaxpar.linen import from_linen
 from jaxpar.mesh import make_mesh
+from jaxpar.resources import DeviceError
 from jaxpar.sharding import DEFAULT_RULES
 from jaxpar.step import TrainState
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.trainer import Trainer
 
-__all__ = ["Action", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "Evaluate", "FitError",
-           "JaxparError", "MeshError", "ModelError", "ResourceError", "ShardingError", "StateError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
+__all__ = ["Action", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "DeviceError", "Evaluate", "FitError",
+           "JaxparError", "MeshError", "ModelError", "OptionError", "ResourceError", "ShardingError", "StateError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
            "Trainer", "TrainState", "actions", "communicator", "from_linen", "make_mesh"]

@@ -41,14 +41,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import OptionError
 
 ALLREDUCE_ALGORITHMS = ("psum", "ring", "torus2d", "ps")
 
 
 def _check_algorithm(algorithm: str) -> None:
     if algorithm not in ALLREDUCE_ALGORITHMS:
-        raise ConfigError(f"--allreduce {algorithm!r} is not one of: {', '.join(ALLREDUCE_ALGORITHMS)}")
+        raise OptionError("allreduce", algorithm, f"is not one of: {', '.join(ALLREDUCE_ALGORITHMS)}")
 
 
 def default_torus_x(n: int) -> int:
@@ -64,7 +64,8 @@ def torus_shape(n: int, torus_x: int | None) -> tuple[int, int]:
     x = default_torus_x(n) if torus_x is None else torus_x
     if not isinstance(x, int) or x < 1 or n % x:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        raise ConfigError(f"--torus {torus_x!r} does not divide the data axis size {n}; use one of: {divisors}")
+        raise OptionError("torus_x", torus_x, f"does not divide the data axis size {n}; use one of: {divisors}",
+                          flag="--torus")
     return x, n // x
 
 
@@ -204,7 +205,7 @@ class Communicator:
     def __init__(self, algorithm: str = "psum", torus_x: int | None = None):
         _check_algorithm(algorithm)
         if torus_x is not None and algorithm != "torus2d":
-            raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d")
+            raise OptionError("torus_x", torus_x, "applies only with {allreduce} torus2d", flag="--torus")
         self.name, self.torus_x = algorithm, torus_x
 
     @property
@@ -231,11 +232,11 @@ class Communicator:
 
 
 def check_allreduce(allreduce: str | None, torus_x: int | None) -> None:
-    """Refuses an unknown algorithm name, or --torus without torus2d (None = the compiler's all-reduce)."""
+    """Refuses an unknown algorithm name, or a torus X without torus2d (None = the compiler's all-reduce)."""
     if allreduce is not None:
         _check_algorithm(allreduce)
     if torus_x is not None and allreduce != "torus2d":
-        raise ConfigError(f"--torus {torus_x} applies only to --allreduce torus2d")
+        raise OptionError("torus_x", torus_x, "applies only with {allreduce} torus2d", flag="--torus")
 
 
 def communicator(name: "str | Communicator" = "psum", torus_x: int | None = None) -> Communicator:

@@ -56,3 +56,35 @@ class Terminated(KeyboardInterrupt):
 
 class ResourceError(JaxparError):
     """The run does not fit the devices (memory), refused before allocating or reported at once, never a hang."""
+
+
+class OptionError(ConfigError):
+    """A bad value of one option, said as the library argument (`staleness=20000: ...`); the command line says the
+    same thing with its flag (`--staleness 20000: ...`), see `cli_message`.
+
+    `why` may name other options as `{name}` fields: `"applies only with {allreduce} torus2d"`.
+    """
+
+    def __init__(self, option: str, value, why: str, flag: str | None = None):
+        self.option, self.value, self.why = option, value, why
+        self.flag = flag or "--" + option.replace("_", "-")
+        super().__init__(f"{option}={value!r}: {why.format_map(_Named(False))}")
+
+    def as_flag(self) -> str:
+        shown = self.value if isinstance(self.value, (int, float)) else repr(self.value)
+        return f"{self.flag} {shown}: {self.why.format_map(_Named(True))}"
+
+
+class _Named(dict):
+    def __init__(self, as_flags: bool):
+        super().__init__()
+        self.as_flags = as_flags
+
+    def __missing__(self, name: str) -> str:
+        return "--" + name.replace("_", "-") if self.as_flags else name
+
+
+def cli_message(error: BaseException) -> str:
+    """How the command line states `error`: options by their flags, even inside a `FitError`."""
+    cause = error if isinstance(error, OptionError) else getattr(error, "__cause__", None)
+    return cause.as_flag() if isinstance(cause, OptionError) else str(error)

@@ -20,7 +20,7 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError, Terminated
+from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError, Terminated, cli_message
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
@@ -263,7 +263,7 @@ def _train(config: Config, jsonl) -> dict:
         state = trainer.fit(state, batches, config.steps, actions=loop)
         seconds = time.perf_counter() - started
     except BaseException as error:  # training started: keep what was logged, and say how it ended
-        reason = (str(error) if isinstance(error, JaxparError) else
+        reason = (cli_message(error) if isinstance(error, JaxparError) else
                   "terminated" if isinstance(error, Terminated) else
                   "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}")
         try:

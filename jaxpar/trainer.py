@@ -31,7 +31,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
-from jaxpar.strategies.stale import device_memory
+from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
 
@@ -111,6 +111,8 @@ class Trainer:
         self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
+        self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
+        self._state_bytes: int | None = None
         for line in self.notes:
             log.warning(line)
 
@@ -186,8 +188,10 @@ class Trainer:
 
     def state_bytes_per_device(self) -> int:
         """Bytes the train state takes on the fullest device (parameters, optimizer and strategy state)."""
-        abstract = jax.eval_shape(self._init_state, jnp.asarray(0, jnp.uint32))
-        return shd.bytes_per_device(abstract, self.state_shardings)
+        if self._state_bytes is None:
+            abstract = jax.eval_shape(self._init_state, jnp.asarray(0, jnp.uint32))
+            self._state_bytes = shd.bytes_per_device(abstract, self.state_shardings)
+        return self._state_bytes
 
     def _check_memory(self) -> None:
         """Refuses a train state that cannot fit in one device's memory, before anything is allocated."""
@@ -271,11 +275,29 @@ class Trainer:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self._ctx, step_number)
         traces = self.trace_count
-        state, metrics = self._steps[plan.variant](state, self._placed(batch), plan.inputs)
+        placed = self._placed(batch)
+        self._check_step_memory(plan, state, placed, rows, step_number)
+        try:
+            state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
+        except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
+            raise device_error(error, step_number) from None
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.trace_count > traces:  # this call compiled (the first step, a new batch shape, a new variant)
             host["compiled"] = 1.0
         return state, {**metrics, **host}
+
+    def _check_step_memory(self, plan, state, placed, rows, step_number) -> None:
+        """Before a step variant first runs on a batch shape: its compiled per-device bytes must fit a device.
+        The compilation is the one the call then uses (jit caches it), so this costs no extra compile."""
+        signature = (plan.variant, tuple((k, v.shape, str(v.dtype)) for k, v in placed.items()))
+        if signature in self._memory_checked:
+            return
+        try:
+            compiled = self._steps[plan.variant].lower(state, placed, plan.inputs).compile()
+        except jax.errors.JaxRuntimeError as error:
+            raise device_error(error, step_number) from None
+        check_step_memory(compiled, self.mesh, plan.variant, rows, self.batch_divisor, self.state_bytes_per_device())
+        self._memory_checked.add(signature)
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
@@ -317,6 +339,8 @@ class Trainer:
                                f"endless iterator or fewer steps", state, step_number) from None
             try:
                 new_state, metrics = self.step(state, batch, step_number)
+            except DeviceError:
+                raise  # the state is gone with the failed step: nothing to carry in a FitError
             except JaxparError as error:
                 self._flush(pending, actions, state, step_number, last)
                 raise FitError(str(error), state, step_number) from error
@@ -336,8 +360,8 @@ class Trainer:
 
     def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
         step, metrics = pending
-        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v)  # blocks until that step is done
-                for k, v in jax.device_get(metrics).items()}
+        wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
+        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(metrics).items()}
         is_last = step == last
         for action in actions:
             if not action.due(step, is_last):

@@ -319,6 +319,17 @@ def test_a_model_dimension_that_does_not_divide_names_the_flag_not_the_logical_a
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "ssp", "--stragglers", "9:2.0"], "--stragglers '9:2.0': replica 9 does not exist; the data axis "
+                                                     "has size 4, so use replicas 0..3"),
+    (["--allreduce", "torus2d", "--torus", "3"], "--torus 3: does not divide the data axis size 4; use one of: 1, 2, 4"),
+])
+def test_strategy_errors_found_against_the_mesh_name_the_flag(args, message, capsys):
+    assert run.main(["--model", "mlp", "--mesh", "4x2", "--steps", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: {message}\n"
+
+
 def test_progress_output_says_what_is_true(capsys, tmp_path):
     """No sim_time without stragglers; no "at first" without a ramp; ASP without stragglers is said to be sync;
     SSP / ASP progress shows the contributing batch."""

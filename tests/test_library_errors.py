@@ -261,6 +261,18 @@ def test_grad_accum_and_batch_size_messages_name_the_argument():
         trainer.step(state, batch_for("mlp", size=31))
 
 
+def test_strategy_errors_raised_against_the_mesh_name_the_argument():
+    """The same errors on the command line name the flag (tests/test_cli_failures.py)."""
+    with raises(jaxpar.OptionError, r"^stragglers='9:2.0': replica 9 does not exist; the data axis has size 4, so use "
+                                    r"replicas 0..3$"):
+        trainer_for("mlp", "4x2", strategy=jaxpar.SSP(stragglers="9:2.0"))
+    with raises(jaxpar.OptionError, r"^torus_x=3: does not divide the data axis size 4; use one of: 1, 2, 4$"):
+        trainer_for("mlp", "4x2", strategy=jaxpar.Sync("torus2d", torus_x=3))
+    with raises(jaxpar.OptionError, r"^strategy='asp': the schedule's largest staleness is 1, .* bound it with "
+                                    r"strategy ssp and a staleness S$"):
+        trainer_for("mlp", "4x2", strategy=jaxpar.ASP(stragglers="3:2.0", horizon=50, max_buffer_bytes=1000))
+
+
 # --- 8: labels outside the classes ----------------------------------------------------------------------------------
 def test_check_labels():
     good = batch_for("mlp")

@@ -5,7 +5,7 @@ import doctest
 import numpy as np
 import pytest
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, cli_message
 from jaxpar.strategies import simulator
 from jaxpar.strategies.simulator import (Stragglers, bsp_times, compute_times, parse_stragglers, simulate_ps)
 
@@ -54,14 +54,15 @@ def test_parse_errors_are_one_line_naming_flag_and_value(spec, words):
     with pytest.raises(ConfigError) as info:
         parse_stragglers(spec)
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"--stragglers {spec!r}:")
+    assert "\n" not in message and message.startswith(f"stragglers={spec!r}:")
+    assert cli_message(info.value).startswith(f"--stragglers {spec!r}:")
     for word in words:
         assert word in message
 
 
 def test_replica_outside_the_data_axis():
     parse_stragglers("3:2.0").check(4)
-    with pytest.raises(ConfigError, match=r"^--stragglers: replica 4 does not exist; the data axis has size 4, "
+    with pytest.raises(ConfigError, match=r"^stragglers='4:2.0': replica 4 does not exist; the data axis has size 4, "
                                           r"so use replicas 0\.\.3$"):
         parse_stragglers("4:2.0").check(4)
     with pytest.raises(ConfigError, match="replica 4"):  # simulating checks too
@@ -73,7 +74,7 @@ def test_bad_staleness_bound(bound):
     with pytest.raises(ConfigError) as info:
         simulate_ps(Stragglers(), 4, bound, 3)
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"--staleness {bound!r}:") and "0 = BSP" in message
+    assert "\n" not in message and message.startswith(f"staleness={bound!r}:") and "0 = BSP" in message
 
 
 def test_bad_sizes():

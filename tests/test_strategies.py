@@ -143,7 +143,7 @@ def test_stale_updates_replay_the_simulated_parameter_server_exactly(strategy_fa
 
 
 def test_asp_refuses_a_version_buffer_that_does_not_fit():
-    with pytest.raises(jaxpar.ConfigError, match=r"--strategy asp: the schedule's largest staleness is 1, so the "
+    with pytest.raises(jaxpar.ConfigError, match=r"^strategy='asp': the schedule's largest staleness is 1, so the "
                                                  r"parameter-version buffer needs 2 x [\d,]+ bytes per device"):
         trainer_for("mlp", "4x2", strategy=jaxpar.ASP(stragglers="3:2.0", horizon=50, max_buffer_bytes=1000))
 

@@ -45,7 +45,7 @@ class StrategyBase:
             raise ConfigError(f"{cls}(stragglers={stragglers!r}): must be None or a profile string like '3:2.0' "
                               f"(replica 3 is 2x slower)")
         if torus_x is not None and allreduce is None:
-            make_communicator("psum", torus_x)  # raises: --torus applies only to torus2d
+            make_communicator("psum", torus_x)  # raises: a torus X applies only to torus2d
         self.communicator = None if allreduce is None else make_communicator(allreduce, torus_x)
         self.stragglers = as_stragglers(stragglers)
 

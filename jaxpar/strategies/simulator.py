@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, OptionError
 
 # Arrivals closer than this are the same instant: sums of float compute times may differ in the last bits.
 TIME_TOLERANCE = 1e-9
@@ -48,13 +48,14 @@ class Stragglers:
     slowdown: dict[int, float] = field(default_factory=dict, hash=False)  # a dict is unhashable; equality still uses it
     jitter: float = 0.0  # std of the log of each compute time: c = slowdown * exp(jitter * z), z ~ N(0, 1)
     seed: int = 0  # the jitter's random stream; same seed -> same schedule
+    spec: str = field(default="", compare=False)  # as written, for messages
 
     def check(self, num_replicas: int) -> "Stragglers":
         """A slow replica must exist on the data axis; caught here because the spec is parsed before the mesh."""
         for replica in self.slowdown:
             if not 0 <= replica < num_replicas:
-                raise ConfigError(f"--stragglers: replica {replica} does not exist; the data axis has size "
-                                  f"{num_replicas}, so use replicas 0..{num_replicas - 1}")
+                raise OptionError("stragglers", self.spec or self.slowdown, f"replica {replica} does not exist; the data axis has "
+                                  f"size {num_replicas}, so use replicas 0..{num_replicas - 1}")
         return self
 
     def factors(self, num_replicas: int) -> np.ndarray:
@@ -74,7 +75,7 @@ def parse_stragglers(spec: str | None) -> Stragglers:
     jitter, seed = 0.0, 0
 
     def bad(why: str) -> ConfigError:
-        return ConfigError(f"--stragglers {spec!r}: {why}")
+        return OptionError("stragglers", spec, why)
 
     for raw in spec.split(","):
         item = raw.strip()
@@ -106,7 +107,7 @@ def parse_stragglers(spec: str | None) -> Stragglers:
                 raise bad(f"slowdown {value} of replica {replica} must be a finite number > 0 and at most "
                           f"{MAX_SLOWDOWN:g} (2.0 = twice as slow), e.g. {replica}:2.0")
             slowdown[replica] = factor
-    return Stragglers(slowdown, jitter, seed)
+    return Stragglers(slowdown, jitter, seed, spec)
 
 
 def compute_times(stragglers: Stragglers, num_replicas: int, count: int) -> np.ndarray:
@@ -132,8 +133,8 @@ def _check_staleness(staleness_bound) -> float:
     if staleness_bound is None or staleness_bound == math.inf:
         return math.inf
     if isinstance(staleness_bound, bool) or not isinstance(staleness_bound, (int, np.integer)) or staleness_bound < 0:
-        raise ConfigError(f"--staleness {staleness_bound!r}: must be an integer >= 0 (0 = BSP), "
-                          f"or unset for ASP (no bound)")
+        raise OptionError("staleness", staleness_bound, "must be an integer >= 0 (0 = BSP), or unset for ASP "
+                          "(no bound)")
     return int(staleness_bound)
 
 
@@ -156,9 +157,9 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     _check_int("num_replicas (the data-axis size)", num_replicas, 1)
     _check_int("num_updates", num_updates, 0)
     if num_updates > MAX_SIMULATED_UPDATES:  # the whole list is simulated and held before training
-        raise ConfigError(f"--steps {num_updates}: too many for ssp / asp, whose schedule is simulated on the host "
-                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use --steps "
-                          f"{MAX_SIMULATED_UPDATES} or fewer")
+        raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
+                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
+                          f"or fewer")
     # A worker delivers at most once per update, plus one gradient in flight: num_updates + 1 rows suffice.
     costs = compute_times(stragglers, num_replicas, num_updates + 1).tolist()
     replicas = range(num_replicas)

@@ -17,14 +17,14 @@ wall-clock asynchrony.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.errors import ConfigError, JaxparError
+from jaxpar.errors import JaxparError, OptionError
+from jaxpar.resources import device_memory
 from jaxpar.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
@@ -102,10 +102,9 @@ class SSP(StrategyBase):
             jax.tree.leaves(ctx.abstract_params), jax.tree.leaves(ctx.param_shardings)))
         limit = self.max_buffer_bytes if self.max_buffer_bytes is not None else device_memory(ctx.mesh) // 2
         if buffer * per_device > limit:
-            raise ConfigError(f"--strategy {self.name}: the schedule's largest staleness is {buffer - 1}, so the "
+            raise OptionError("strategy", self.name, f"the schedule's largest staleness is {buffer - 1}, so the "
                               f"parameter-version buffer needs {buffer} x {per_device:,} bytes per device, more than "
-                              f"the {limit:,} bytes allowed; bound it with --strategy ssp --staleness S, or train "
-                              f"fewer --steps")
+                              f"the {limit:,} bytes allowed; bound it with strategy ssp and a {{staleness}} S")
 
     # --- the server update ---------------------------------------------------------------------------------------
     def steps(self, ctx):
@@ -143,13 +142,3 @@ class ASP(SSP):
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
         super().__init__(None, stragglers=stragglers, allreduce=allreduce, torus_x=torus_x, horizon=horizon,
                          max_buffer_bytes=max_buffer_bytes)
-
-
-def device_memory(mesh) -> int:
-    """Bytes one device may use: its reported limit, or on CPU the machine's memory shared by its devices."""
-    device = mesh.devices.flat[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return total // max(len(jax.local_devices(backend=device.platform)), 1)

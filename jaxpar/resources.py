@@ -1,0 +1,114 @@
+"""What a run needs from its devices, checked before it is asked for, and device failures said in one line.
+
+- `device_memory(mesh)`: the bytes one device may use;
+- `check_step_memory`: a compiled step's per-device bytes (XLA's `memory_analysis`: arguments + outputs - donated
+  aliases + temporaries) against that, before the step first runs;
+- `DeviceError`: a step that failed on the device (out of memory, a failing callback, ...), raised as one line
+  instead of the raw runtime error or a wait that never ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from jaxpar.errors import JaxparError, ResourceError
+
+
+class DeviceError(JaxparError):
+    """A step failed while running on the device; the train state it was given is gone (donated, never updated).
+
+    On XLA:CPU the other devices of a failed collective can stay blocked, so a process may not exit normally
+    afterwards: the command line ends with `os._exit` once the message and the metrics are written.
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def device_memory(mesh) -> int:
+    """Bytes one device may use: its reported limit, or on CPU the machine's memory shared by its devices."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // max(len(jax.local_devices(backend=device.platform)), 1)
+
+
+def step_bytes(compiled) -> dict[str, int] | None:
+    """Per-device bytes of a compiled step by XLA's memory analysis (None where the backend gives none)."""
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, AttributeError, jax.errors.JaxRuntimeError):
+        return None
+    if stats is None:
+        return None
+    parts = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+             "donated": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+    parts["total"] = parts["arguments"] + parts["outputs"] - parts["donated"] + parts["temporaries"]
+    return parts
+
+
+def check_step_memory(compiled, mesh, name: str, rows: int, divisor: int, fixed: int) -> None:
+    """Refuses a step variant whose per-device bytes exceed a device's memory, naming both numbers and a batch
+    that would fit, estimated as if everything but `fixed` (the train state) grew with the batch."""
+    parts = step_bytes(compiled)
+    available = device_memory(mesh)
+    if parts is None or parts["total"] <= available:
+        return
+    growing = max(parts["total"] - fixed, 1)  # what scales with the batch (activations, the batch itself)
+    fits = int(rows * (available - fixed) / growing) // divisor * divisor
+    if fits >= divisor:
+        hint = (f"use a global batch of at most about {fits} rows (now {rows}), or split it into microbatches "
+                f"(grad_accum)")
+    else:
+        smallest = fixed + growing * divisor // rows
+        hint = (f"even the smallest global batch ({divisor} rows) would need about {smallest:,}: make the step's "
+                f"activations smaller (a smaller model or shorter inputs) or shard it over more devices")
+    raise ResourceError(f"step {name!r} needs {parts['total']:,} bytes per device (arguments {parts['arguments']:,}, "
+                        f"outputs {parts['outputs']:,}, temporaries {parts['temporaries']:,}, donated "
+                        f"{parts['donated']:,} reused) but a device has {available:,}; {hint}")
+
+
+def device_error(error: Exception, step: int) -> DeviceError:
+    """The one line for a step that failed on the device."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    first = lines[0]
+    if "Traceback" in first:  # a failing host callback: its status, then the Python exception (the last line)
+        first = f"{first.split(':')[0]}: {lines[-1]}"
+    return DeviceError(f"step {step + 1} failed on the device: {first[:300]}; its train state is lost (restart from "
+                       f"a checkpoint or a fresh state)", step)
+
+
+def wait_ready(tree, step: int) -> None:
+    """Returns once every array in `tree` is computed; raises `DeviceError` as soon as one device's part failed.
+
+    Waiting on a whole array (or on device 0's part) would never return when another device failed mid-step: the
+    devices still healthy stay blocked in the step's next collective. So each device's part is polled, and the
+    first one that is ready with an error is reported.
+    """
+    arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
+    if all(array.is_ready() for array in arrays):
+        parts = arrays  # the usual case: read at once (an error, if any, raises below)
+    else:
+        parts = [shard.data for array in arrays for shard in array.addressable_shards]
+    delay = 5e-5
+    while True:
+        pending = []
+        for part in parts:
+            if not part.is_ready():
+                pending.append(part)
+                continue
+            try:
+                part.block_until_ready()
+            except jax.errors.JaxRuntimeError as error:
+                raise device_error(error, step) from None
+        if not pending:
+            return
+        parts = pending
+        time.sleep(delay)
+        delay = min(2 * delay, 2e-3)
