@@ -9,7 +9,7 @@ import threading
 
 import jaxpar
 from jaxpar.config import load_config_file, same_file
-from jaxpar.errors import Terminated, cli_message
+from jaxpar.errors import Preempted, Terminated, cli_message
 from jaxpar.resources import DeviceError
 from jaxpar.experiment import train
 from jaxpar.flags import add_flags, overrides
@@ -80,6 +80,9 @@ def main(argv=None) -> int:
         if isinstance(error, DeviceError):
             _device_failed.set()
         return 2
+    except Preempted as stop:  # SIGTERM / Ctrl-C with --checkpoint-dir: the checkpoint is durable
+        print(f"run.py: stopped at step {stop.step}; its checkpoint is saved: continue with --resume", file=sys.stderr)
+        return 0
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM as Terminated: the JSONL is saved either way
         terminated = isinstance(stop, Terminated)
         print(f"run.py: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)

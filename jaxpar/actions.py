@@ -89,22 +89,102 @@ class Evaluate(Action):
 class StopIfDiverged(Action):
     """Ends training (a `TrainingDiverged` error) when the loss is not finite, or when it explodes: above
     `factor` x the first step's loss and above `floor` (defaults 100 x and 1e3: 2.3 -> 4.3e5 is divergence, while a
-    loss that wanders up a few times over is not). `hint(loss, step)` words the advice."""
+    loss that wanders up a few times over is not). `hint(loss, step)` words the advice.
 
-    def __init__(self, hint: Callable[[float, int], str] | None = None, factor: float = 100.0, floor: float = 1e3):
-        self.hint, self.factor, self.floor = hint, factor, floor
+    Steps the trainer skipped (metric `skipped`, see `Trainer(skip_nonfinite=True)`) are counted instead, into the
+    metric `skipped_steps`; more than `max_skips` in a row end training (None: never).
+    """
+
+    def __init__(self, hint: Callable[[float, int], str] | None = None, factor: float = 100.0, floor: float = 1e3,
+                 max_skips: int | None = None, max_skips_name: str = "max_skips"):
+        self.hint, self.factor, self.floor, self.max_skips = hint, factor, floor, max_skips
+        self.max_skips_name = max_skips_name  # how the message names the limit (run.py: --max-skips)
         self.first: float | None = None  # the first finite loss this action saw
+        self.skipped = self.in_a_row = 0
 
     def __call__(self, event):
+        from jaxpar.errors import TrainingDiverged
+
         loss = event.metrics.get("loss", 0.0)
+        if event.metrics.get("skipped"):
+            self.skipped += 1
+            self.in_a_row += 1
+            event.metrics["skipped_steps"] = float(self.skipped)
+            if self.max_skips is not None and self.in_a_row > self.max_skips:
+                advice = self.hint(loss, event.step) if self.hint else "lower the learning rate"
+                raise TrainingDiverged(f"training diverged: {self.in_a_row} steps in a row were skipped (loss {loss} "
+                                       f"at step {event.step}), more than {self.max_skips_name} {self.max_skips}; the state is "
+                                       f"that of step {event.step - self.in_a_row}; {advice}")
+            return
+        self.in_a_row = 0
+        if self.skipped:
+            event.metrics["skipped_steps"] = float(self.skipped)
         if self.first is None and math.isfinite(loss):
             self.first = loss
         exploded = (math.isfinite(loss) and self.first is not None and loss > self.floor
                     and loss > self.factor * abs(self.first))
         if not math.isfinite(loss) or exploded:
-            from jaxpar.errors import TrainingDiverged
-
             advice = self.hint(loss, event.step) if self.hint else "lower the learning rate"
             what = (f"loss is {loss:.3g} at step {event.step}, over {self.factor:g} x the first step's "
                     f"{self.first:.3g}" if exploded else f"loss is {loss} at step {event.step}")
             raise TrainingDiverged(f"training diverged: {what}; {advice}")
+
+
+class Checkpoint(Action):
+    """Every `every` steps and after the last: `checkpointer.save(step, state, ...)` (a `jaxpar.Checkpointer`;
+    asynchronous: the loop waits only for the copy off the devices). `extra()` returns JSON-serialisable values
+    stored with it, e.g. `lambda: {"data": batches.get_state()}` for an exact resume of the data order."""
+
+    needs_state = True
+    at_end = True
+
+    def __init__(self, checkpointer, every: int, extra: Callable[[], dict] | None = None, at_end: bool = True):
+        self.checkpointer, self.every, self.extra, self.at_end = checkpointer, every, extra, at_end
+        self.saved: int | None = None  # the last step saved
+
+    def __call__(self, event):
+        if self.saved == event.step:
+            return
+        self.checkpointer.save(event.step, event.state, event.trainer.strategy, event.trainer.num_replicas,
+                               **(self.extra() if self.extra else {}))
+        self.saved = event.step
+
+
+class CheckReplicas(Action):
+    """Every `every` steps: every device's copy of the replicated parameters must be identical (a fingerprint per
+    copy, `jaxpar.faults.ReplicaCheck`); a mismatch raises `ReplicaMismatch` naming the parameter and device."""
+
+    needs_state = True
+
+    def __init__(self, every: int):
+        self.every = every
+        self._checks: dict = {}
+
+    def check(self, trainer, state, step: int) -> None:
+        from jaxpar.faults import ReplicaCheck
+
+        if id(trainer) not in self._checks:
+            self._checks[id(trainer)] = ReplicaCheck(trainer.state_shardings.params, trainer.mesh)
+        self._checks[id(trainer)].check(state.params, step)
+
+    def __call__(self, event):
+        self.check(event.trainer, event.state, event.step)
+
+
+class StopWhen(Action):
+    """When `requested()` turns true (checked after every step; e.g. a SIGTERM handler set an event): saves a
+    checkpoint of that step through `checkpoint` (a `Checkpoint` action) and raises `Preempted(step)`."""
+
+    needs_state = True
+
+    def __init__(self, requested: Callable[[], bool], checkpoint: Checkpoint):
+        self.requested, self.checkpoint = requested, checkpoint
+
+    def due(self, step, last):
+        return self.requested()
+
+    def __call__(self, event):
+        from jaxpar.errors import Preempted
+
+        self.checkpoint(event)
+        raise Preempted(event.step)

@@ -38,7 +38,9 @@ from jaxpar.strategies.sync import check_allreduce
 MODELS = ("transformer", "mlp", "cnn")
 PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
 OPTIMIZERS = ("adamw", "sgd", "momentum")
-GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run")
+GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run", "checkpoints and faults")
+# What a resumed run may change: the rest of the config must equal the checkpoint's (see `resume_differences`).
+RESUME_MAY_CHANGE_GROUPS = ("mesh", "strategy", "run", "checkpoints and faults")
 
 # Read from the strategies, never written here: names, and for each strategy-specific field the strategies it
 # applies to (a field given for another strategy is an error).
@@ -54,7 +56,8 @@ Check = Callable[[str, Any], "str | None"]
 
 
 def option(help: str, *, group: str, check: Check | tuple[Check, ...] = (), flag: bool = True,
-           models: Mapping[str, Any] | None = None, default_text: str | None = None, why: str | None = None) -> dict:
+           models: Mapping[str, Any] | None = None, default_text: str | None = None, why: str | None = None,
+           const: Any = None) -> dict:
     """Metadata of one Config field.
 
     help: the flag's help text (without the default, which is added from the declaration);
@@ -64,11 +67,13 @@ def option(help: str, *, group: str, check: Check | tuple[Check, ...] = (), flag
     models: the models it applies to -> its default for each (None: every model); a callable default gets the
         config and returns the value;
     default_text: how --help states a default that is not a plain value;
-    why: a hint added to the "does not apply" error.
+    why: a hint added to the "does not apply" error;
+    const: the value of the flag given without a value (`--resume` = `--resume auto`); None: the flag needs one.
     """
     assert group in GROUPS, group
     return {"help": help, "group": group, "checks": check if isinstance(check, tuple) else (check,), "flag": flag,
-            "models": dict(models) if models is not None else None, "default_text": default_text, "why": why}
+            "models": dict(models) if models is not None else None, "default_text": default_text, "why": why,
+            "const": const}
 
 
 # --- checks ---------------------------------------------------------------------------------------------------
@@ -140,6 +145,19 @@ def _metrics_check(name, path):
     if kind == "a regular file" and not _is_metrics_file(path):
         return (f"{name} {path!r}: exists and is not a jaxpar metrics file (its first line is not a config record); "
                 f"pass a new file name, or delete the file first")
+
+
+def _checkpoint_dir_check(name, path):
+    if not path:
+        return f"{name} {path!r}: empty path; pass a folder such as checkpoints/"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{name} {path!r}: is {path_kind(path)}, not a folder; pass a folder such as checkpoints/"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(path) and not os.path.isdir(parent):
+        return f"{name} {path!r}: folder {parent!r} does not exist; create it or pass e.g. checkpoints/"
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"{name} {path!r}: folder {os.path.abspath(target)!r} is not writable; pass a writable folder"
 
 
 def _is_metrics_file(path) -> bool:
@@ -317,6 +335,31 @@ class Config:
         "evaluate on the held-out split every N steps (0: only at the end)", group="run", check=at_least(0)))
     eval_batches: int = field(default=4, metadata=option(
         "held-out batches per evaluation (text; digits: the whole test split)", group="run", check=at_least(0)))
+    # --- checkpoints and numerical faults ---
+    checkpoint_dir: str | None = field(default=None, metadata=option(
+        "save checkpoints here (orbax: sharded, asynchronous, atomic; the latest --keep are kept); SIGTERM / Ctrl-C "
+        "then saves one and exits 0", group="checkpoints and faults", check=_checkpoint_dir_check))
+    checkpoint_every: int = field(default=100, metadata=option(
+        "save a checkpoint every N steps (and at the end)", group="checkpoints and faults", check=at_least(1)))
+    keep: int = field(default=3, metadata=option(
+        "checkpoints kept in --checkpoint-dir (older ones are deleted)", group="checkpoints and faults",
+        check=at_least(1)))
+    resume: str | None = field(default=None, metadata=option(
+        "continue from the latest checkpoint in --checkpoint-dir: '--resume' starts fresh (saying so) when there is "
+        "none, '--resume required' refuses to", group="checkpoints and faults", check=one_of(("auto", "required")),
+        const="auto", default_text="off"))
+    resume_step: int | None = field(default=None, metadata=option(
+        "with --resume: continue from this checkpoint step instead of the latest", group="checkpoints and faults",
+        check=at_least(0)))
+    on_nonfinite: str = field(default="skip", metadata=option(
+        "a step whose loss or updated state is not finite: skip (the state stays bit-identical; counted in "
+        "skipped_steps) | abort", group="checkpoints and faults", check=one_of(("skip", "abort"))))
+    max_skips: int = field(default=10, metadata=option(
+        "abort after more than this many consecutive skipped steps", group="checkpoints and faults",
+        check=at_least(0)))
+    check_every: int = field(default=100, metadata=option(
+        "compare every device's copy of the replicated parameters (a fingerprint) at the start and every N steps; "
+        "0: never", group="checkpoints and faults", check=at_least(0)))
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -402,11 +445,30 @@ class Config:
             raise ConfigError(f"--d-model {config.d_model} does not divide by --heads {config.heads}; "
                               f"choose d_model a multiple of heads")
         check_allreduce(config.allreduce, config.torus)
+        if config.resume is not None and config.checkpoint_dir is None:
+            raise ConfigError(f"--resume {config.resume}: needs --checkpoint-dir (the folder to resume from)")
+        if config.resume_step is not None and config.resume is None:
+            raise ConfigError(f"--resume-step {config.resume_step}: applies only with --resume; add --resume")
+        if config.checkpoint_dir and config.data and (
+                same_file(config.checkpoint_dir, config.data) or os.path.realpath(config.checkpoint_dir).startswith(
+                    os.path.realpath(config.data).rstrip(os.sep) + os.sep)):
+            raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir!r}: is --data {config.data!r} or inside it "
+                              f"(its files would be read as training text); pass a folder outside it")
         if config.lr_decay_steps is not None and config.lr_schedule != "step":
             raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
         if config.bn == "sync" and strategies_lib.from_config(config).local_statistics:
             raise ConfigError("--bn sync needs --strategy sync without --allreduce; the explicit strategies "
                               "normalise each replica's slice (use --bn local)")
+
+    def resume_differences(self, saved: Mapping) -> list[str]:
+        """The fields a resumed run may not change (all but mesh, strategy, run and checkpoint options; `bn` follows
+        the strategy) whose value differs from `saved` (a checkpoint's `to_record()`), as `--flag now (saved)`."""
+        mine = self.to_record()
+        return [f"{shown(name)} {_jsonable(mine[name])!r} (checkpoint: {saved.get(name)!r})" for name, meta in
+                OPTIONS.items() if meta["group"] not in RESUME_MAY_CHANGE_GROUPS and name not in ("bn",)
+                and mine[name] != saved.get(name, mine[name])] + (
+            [f"--seed {self.seed} (checkpoint: {saved.get('seed')})"] if saved.get("seed", self.seed) != self.seed
+            else [])
 
     def decay_steps(self) -> tuple[int, ...] | None:
         return None if self.lr_decay_steps is None else parse_decay_steps(self.lr_decay_steps)

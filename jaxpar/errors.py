@@ -3,6 +3,8 @@
 The CLI turns a `JaxparError` into one line on stderr and exit code 2; library users catch it as a `ValueError`.
 """
 
+import re
+
 
 class JaxparError(ValueError):
     """A bad input from the user: a flag, a config value, a mesh, a file. The message is one complete line."""
@@ -68,23 +70,39 @@ class OptionError(ConfigError):
     def __init__(self, option: str, value, why: str, flag: str | None = None):
         self.option, self.value, self.why = option, value, why
         self.flag = flag or "--" + option.replace("_", "-")
-        super().__init__(f"{option}={value!r}: {why.format_map(_Named(False))}")
+        super().__init__(f"{option}={value!r}: {_named(why, False)}")
 
     def as_flag(self) -> str:
         shown = self.value if isinstance(self.value, (int, float)) else repr(self.value)
-        return f"{self.flag} {shown}: {self.why.format_map(_Named(True))}"
+        return f"{self.flag} {shown}: {_named(self.why, True)}"
 
 
-class _Named(dict):
-    def __init__(self, as_flags: bool):
-        super().__init__()
-        self.as_flags = as_flags
-
-    def __missing__(self, name: str) -> str:
-        return "--" + name.replace("_", "-") if self.as_flags else name
+def _named(text: str, as_flags: bool) -> str:
+    """`{option_name}` -> `--option-name` (flags) or `option_name`; any other text, braces included, unchanged."""
+    return re.sub(r"\{([a-z][a-z_]*)\}", lambda m: ("--" + m[1].replace("_", "-")) if as_flags else m[1], text)
 
 
 def cli_message(error: BaseException) -> str:
     """How the command line states `error`: options by their flags, even inside a `FitError`."""
     cause = error if isinstance(error, OptionError) else getattr(error, "__cause__", None)
     return cause.as_flag() if isinstance(cause, OptionError) else str(error)
+
+
+class ReplicaMismatch(JaxparError):
+    """Copies of a replicated parameter differ between devices (checked by `jaxpar.faults.ReplicaCheck`)."""
+
+
+class CheckpointError(OptionError):
+    """A checkpoint folder or checkpoint that cannot be used: missing, corrupt, or of another model / config.
+    Said of the folder: `checkpoint_dir='ckpt': ...` (the command line: `--checkpoint-dir 'ckpt': ...`)."""
+
+    def __init__(self, directory: str, why: str):
+        super().__init__("checkpoint_dir", directory, why)
+
+
+class Preempted(KeyboardInterrupt):
+    """A stop was requested (SIGTERM / SIGINT with checkpoints on): the checkpoint of `.step` is saved."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step

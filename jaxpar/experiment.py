@@ -7,6 +7,7 @@ a bad input fails in a second with one line and nothing written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
@@ -20,7 +21,10 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError, Terminated, cli_message
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.errors import ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
+from jaxpar.preemption import StopRequest
+from jaxpar.resume import resume_run
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
@@ -142,11 +146,17 @@ def run_notes(config: Config) -> list[str]:
     return notes
 
 
+# Counts up to this many steps are never capped: the SSP version buffer (staleness + 1) of a run does not depend on
+# --steps, so a resumed run with a larger --steps restores it exactly.
+CAP_FLOOR = 64
+
+
 def strategy_config(config: Config) -> Config:
-    """The config the strategy is built from: counts that only matter up to --steps are capped there (identical
-    training; bounded host and device memory: the SSP version buffer is staleness + 1, the post-local clock is
-    simulated up to local_after)."""
-    capped = {name: min(getattr(config, name), config.steps) for name in ("staleness", "local_after")
+    """The config the strategy is built from: counts that only matter up to --steps are capped at max(--steps,
+    CAP_FLOOR) (identical training; bounded host and device memory: the SSP version buffer is staleness + 1, the
+    post-local clock is simulated up to local_after)."""
+    bound = max(config.steps, CAP_FLOOR)
+    capped = {name: min(getattr(config, name), bound) for name in ("staleness", "local_after")
               if getattr(config, name) is not None}
     return config.replace(**capped) if capped else config
 
@@ -205,17 +215,34 @@ def _train(config: Config, jsonl) -> dict:
     schedule = lr_schedule(config.lr, config.steps, scaling=config.lr_scaling, base_batch_size=config.base_batch_size,
                            batch_at=size_at, warmup_steps=config.warmup_steps, schedule=config.lr_schedule,
                            decay_steps=config.decay_steps(), decay_factor=config.lr_decay_factor)
-    local_bn = config.bn == "local" or strategy.local_statistics
+    local_bn = config.bn == "local" or strategy.local_statistics  # (also in _run)
     # local BatchNorm = each replica's slice; under shard_map the replica's slice is all the step sees already
     bn_groups = replicas if local_bn and not strategy.local_statistics else 1
     try:
         trainer = Trainer(model=models.factory(config, bn_groups=bn_groups),
                           loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
                           optimizer=make_optimizer(config, schedule), mesh=mesh,
-                          rules=config.rules, strategy=strategy, grad_accum=config.grad_accum)
+                          rules=config.rules, strategy=strategy, grad_accum=config.grad_accum,
+                          skip_nonfinite=config.on_nonfinite == "skip")
     except ShardingError as error:
         raise _as_flag_error(error, config) from None
-    state = trainer.init(config.seed)
+    checkpoints = Checkpointer(config.checkpoint_dir, config.keep) if config.checkpoint_dir else None
+    try:
+        return _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()  # every save started is durable before the run ends, however it ends
+
+
+def _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule) -> dict:
+    strategy, mesh, replicas = trainer.strategy, trainer.mesh, trainer.num_replicas
+    local_bn = config.bn == "local" or strategy.local_statistics
+    state, start = resume_run(checkpoints, trainer, config, train_batches) if config.resume else (None, 0)
+    if state is None:
+        state = trainer.init(config.seed)
+    replica_check = actions.CheckReplicas(config.check_every)
+    if config.check_every:
+        replica_check.check(trainer, state, start)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     bn = ""
     if config.model == "cnn":  # only the CNN has BatchNorm; say why it is local when the strategy decides it
@@ -225,7 +252,7 @@ def _train(config: Config, jsonl) -> dict:
     print(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh {mesh_lib.shape_line(mesh)} "
           f"({mesh.size} {mesh.devices.flat[0].platform} devices); global batch "
           f"{config.batch_ramp or config.batch_size} ({per_replica}); strategy {config.strategy}{bn}; "
-          f"{config.steps} steps", flush=True)
+          f"{config.steps} steps" + (f", resumed at step {start}" if start else ""), flush=True)
     if config.strategy in ("ssp", "asp") and not config.stragglers:
         print(f"jaxpar: note: --strategy {config.strategy} without --stragglers: every replica is equally fast, so "
               f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
@@ -234,11 +261,11 @@ def _train(config: Config, jsonl) -> dict:
     host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
     # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
     logger = RunLogger(config.steps, size_at, config.log_every, jsonl,
-                       quiet=() if config.stragglers else ("sim_time",))
+                       quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):
-            return step == 1 or step % config.log_every == 0 or last
+            return step == start + 1 or step % config.log_every == 0 or last
 
         def __call__(self, event):
             # SSP / ASP: the batch whose gradient the update applied (the contributing replicas' examples)
@@ -252,18 +279,29 @@ def _train(config: Config, jsonl) -> dict:
     evaluation = actions.Evaluate(lambda tr, st: evaluate(tr, st, held_out, largest, config),
                                   every=config.eval_every, on_result=on_eval, at_end=bool(config.eval_batches))
     last = {}
-    loop = [actions.StopIfDiverged(divergence_hint(config, size_at)), Extras(),
-            actions.OnStep(lambda step, metrics: last.update(metrics)), actions.Log(logger)]
+    skips = config.max_skips if config.on_nonfinite == "skip" else None
+    loop = [actions.StopIfDiverged(divergence_hint(config, size_at), max_skips=skips, max_skips_name="--max-skips"),
+            Extras(), actions.OnStep(lambda step, metrics: last.update(metrics)), actions.Log(logger)]
+    if config.check_every:
+        loop.append(replica_check)
     if config.eval_batches:
         loop.append(evaluation)
     batches = data.prefetch_to_device(train_batches, trainer.shard_batch)
-    logger.write(config.to_record())
+    stop = StopRequest()
+    if checkpoints is not None:
+        record = config.to_record()
+        saving = actions.Checkpoint(checkpoints, config.checkpoint_every,
+                                    extra=lambda: {"data": batches.get_state(), "config": record})
+        loop += [saving, actions.StopWhen(stop.is_set, saving)]
+    logger.write({**config.to_record(), **({"resumed_from": start} if start else {})})
     try:
         started = time.perf_counter()
-        state = trainer.fit(state, batches, config.steps, actions=loop)
+        with stop if checkpoints is not None else contextlib.nullcontext():
+            state = trainer.fit(state, batches, config.steps - start, actions=loop)
         seconds = time.perf_counter() - started
     except BaseException as error:  # training started: keep what was logged, and say how it ended
         reason = (cli_message(error) if isinstance(error, JaxparError) else
+                  f"preempted: checkpoint of step {error.step} saved" if isinstance(error, Preempted) else
                   "terminated" if isinstance(error, Terminated) else
                   "interrupted" if isinstance(error, KeyboardInterrupt) else f"{type(error).__name__}: {error}")
         try:
@@ -275,7 +313,7 @@ def _train(config: Config, jsonl) -> dict:
     logger.close()
     held = evaluation.history[-1][1] if evaluation.history else {}
     summary = {"final_" + k: v for k, v in last.items()}
-    summary.update(steps=config.steps, seconds=seconds, steps_per_sec=config.steps / seconds)
+    summary.update(steps=config.steps - start, seconds=seconds, steps_per_sec=(config.steps - start) / seconds)
     summary.update({"eval_" + k: v for k, v in held.items()})
     return summary
 

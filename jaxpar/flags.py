@@ -22,6 +22,7 @@ class Flag(NamedTuple):
     type: type  # int | float | str
     help: str  # the declared help, with what it applies to and its default
     group: str
+    const: object = None  # the value of the flag given alone (None: it needs a value)
 
 
 def _type_of(f: dataclasses.Field) -> type:
@@ -33,7 +34,7 @@ def _type_of(f: dataclasses.Field) -> type:
 
 
 FLAGS: list[Flag] = [Flag("--" + f.name.replace("_", "-"), f.name, _type_of(f), describe(f.name),
-                          OPTIONS[f.name]["group"])
+                          OPTIONS[f.name]["group"], OPTIONS[f.name]["const"])
                      for f in dataclasses.fields(Config) if OPTIONS[f.name]["flag"]]
 
 
@@ -44,8 +45,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if flags:
             section = parser.add_argument_group(group)
             for f in flags:
+                optional_value = {} if f.const is None else {"nargs": "?", "const": f.const}
                 section.add_argument(f.flag, dest=f.field, type=f.type, default=None,
-                                     help=f.help.replace("%", "%%"))
+                                     help=f.help.replace("%", "%%"), **optional_value)
 
 
 def overrides(args: argparse.Namespace) -> dict:

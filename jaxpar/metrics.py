@@ -106,15 +106,16 @@ class JsonlFile:
 
 class RunLogger:
     def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
-                 stream: IO[str] | None = None, quiet=()):
+                 stream: IO[str] | None = None, quiet=(), start_step: int = 0):
         self.total_steps, self.log_every = total_steps, log_every
+        self.start = start_step  # steps already done (a resumed run): its first step is start_step + 1
         self.quiet = set(quiet)  # metrics recorded in the JSONL but not printed
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
         self.batch_at = global_batch if callable(global_batch) else (lambda step: global_batch)
         self.stream = stream
         self._file = jsonl_path if isinstance(jsonl_path, JsonlFile) else JsonlFile(jsonl_path) if jsonl_path else None
         self._start = self._last_time = time.perf_counter()
-        self._last_step = 0
+        self._last_step = start_step
         self._examples = 0.0  # examples applied since the last record
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -122,9 +123,9 @@ class RunLogger:
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # array metrics: not logged
         self._examples += metrics.pop("examples", self.batch_at(step - 1))
         self._compiled = metrics.pop("compiled", 0.0) > 0 or getattr(self, "_compiled", False)
-        if step == 1:
+        if step == self.start + 1:
             self._first_done = time.perf_counter()  # the ETA leaves out the first step: it includes compilation
-        if step % self.log_every and step not in (1, self.total_steps):
+        if step % self.log_every and step not in (self.start + 1, self.total_steps):
             return
         now = time.perf_counter()
         rate = self._examples / max(now - self._last_time, 1e-9)
@@ -135,8 +136,9 @@ class RunLogger:
         self._last_step, self._last_time, self._examples = step, now, 0.0
         self.write(record)
         first_done = getattr(self, "_first_done", None)
-        remaining = ((self.total_steps - step) * (now - first_done) / (step - 1)
-                     if step > 1 and first_done is not None else math.nan)
+        done = step - self.start - 1  # steps timed after the first (which includes compilation)
+        remaining = ((self.total_steps - step) * (now - first_done) / done
+                     if done > 0 and first_done is not None else math.nan)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in self.quiet)
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
         first = "  (includes compilation)" if compiled else ""

@@ -25,12 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
+from jaxpar.faults import keep_if_finite
 from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
@@ -52,6 +53,8 @@ class Trainer:
       strategy: how replicas agree (default `Sync()`).
       grad_accum: microbatches per update (must divide the per-replica batch).
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
+      skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
+        counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it.
 
     A bad argument raises a `jaxpar.JaxparError` subclass naming it; a `loss_fn` that returns anything but
     `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced. Batches: a dict of
@@ -64,7 +67,7 @@ class Trainer:
 
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
-                 grad_accum: int = 1, eval_loss_fn: LossFn | None = None):
+                 grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True):
         mesh_lib.check_mesh(mesh)
         if isinstance(model, nnx.Module) or not callable(model):
             raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
@@ -80,7 +83,10 @@ class Trainer:
                                             for m in ("init", "shardings", "steps", "plan")):
             raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
                               f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
-        self.mesh, self.strategy = mesh, strategy or Sync()
+        if not isinstance(skip_nonfinite, bool):
+            raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
+                              f"not finite) or False (apply it)")
+        self.mesh, self.strategy, self.skip_nonfinite = mesh, strategy or Sync(), skip_nonfinite
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
         self._loss_fn = with_rngs(loss_fn)
@@ -108,6 +114,7 @@ class Trainer:
         comm_sh = () if comm is None else jax.tree.map(
             lambda _: shd.replicated(mesh), jax.eval_shape(comm.init, abs_params))
         base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
+        self.neutral_shardings = base
         self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
@@ -126,18 +133,40 @@ class Trainer:
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
     def _init_state(self, seed) -> TrainState:
+        return self._expand(self._neutral_state(seed))
+
+    def _neutral_state(self, seed) -> TrainState:
+        """The state before the strategy adds its own: what any strategy's state reduces to (see checkpoint.py)."""
         with nnx.use_eager_sharding(False):
             model = self._factory(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = split_model(model)
         comm = self._ctx.communicator
         # the run key: a separate stream from initialisation's (same seed, another fold)
-        state = TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), (),
-                           jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
-                           () if comm is None else comm.init(params))
-        return self.strategy.init(self._ctx, state)
+        return TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), (),
+                          jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
+                          () if comm is None else comm.init(params))
+
+    def _expand(self, neutral: TrainState) -> TrainState:
+        return self.strategy.init(self._ctx, neutral)
+
+    def abstract_state(self, neutral: bool = False) -> TrainState:
+        """The train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), without computing it;
+        `neutral`: the state before the strategy adds its own (placed like the parameters)."""
+        seed = jnp.asarray(0, jnp.uint32)
+        if neutral:
+            shapes = jax.eval_shape(self._neutral_state, seed)
+            shardings = self.neutral_shardings
+        else:
+            shapes, shardings = jax.eval_shape(self._init_state, seed), self.state_shardings
+        leaves, treedef = jax.tree.flatten(shapes)
+        placed = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                            for x, s in zip(leaves, placed, strict=True)])
 
     def _traced_step(self, name, fn, state, batch, inputs):
         out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
+        if self.skip_nonfinite:
+            out = keep_if_finite(state, *out)
         count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
             shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())

@@ -80,7 +80,7 @@ def test_a_failing_action_is_a_fit_error_naming_it_with_a_usable_state():
 
 
 def test_divergence_action_stops_with_one_line():
-    trainer = trainer_for("mlp", "2x4", optimizer=optax.sgd(1e30))
+    trainer = trainer_for("mlp", "2x4", optimizer=optax.sgd(1e30), skip_nonfinite=False)
     with pytest.raises(jaxpar.FitError, match=r"^training diverged: loss is nan at step \d+; lower the learning rate$"):
         trainer.fit(trainer.init(0), batches(), 20, actions=[actions.StopIfDiverged()])
 

@@ -90,7 +90,7 @@ def test_an_existing_metrics_file_survives_a_run_that_fails_before_training(tmp_
 def test_a_run_that_ends_in_an_error_keeps_a_complete_strict_jsonl(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     metrics_file(metrics, {"step": 1, "loss": 2.0})  # an earlier run's file: replaced, not appended to
-    err = fails([*MLP, "--steps", "5", "--log-every", "1", "--optimizer", "sgd", "--lr", "1e30", "--metrics",
+    err = fails([*MLP, "--steps", "5", "--log-every", "1", "--optimizer", "sgd", "--lr", "1e30", "--on-nonfinite", "abort", "--metrics",
                  str(metrics)], capsys, contains="training diverged")
     lines = metrics.read_text().splitlines()
     records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}")) for line in lines]
@@ -179,8 +179,10 @@ def test_ssp_schedule_length_is_bounded_with_a_one_line_error(capsys):
 
 def test_staleness_and_local_after_beyond_the_run_are_capped_for_the_strategy():
     config = Config(model="mlp", strategy="ssp", staleness=20000, steps=5).resolved()
-    assert strategy_config(config).staleness == 5 and config.staleness == 20000  # the record keeps the given value
-    assert strategy_config(Config(strategy="local_sgd", local_after=10 ** 12, steps=7)).local_after == 7
+    assert strategy_config(config).staleness == 64 and config.staleness == 20000  # the record keeps the given value
+    assert strategy_config(config.replace(steps=100)).staleness == 100
+    assert strategy_config(config.replace(staleness=3)).staleness == 3  # as given, whatever --steps (resume)
+    assert strategy_config(Config(strategy="local_sgd", local_after=10 ** 12, steps=7)).local_after == 64
 
 
 def test_huge_staleness_local_after_and_an_unreachable_ramp_stage_train(tmp_path, capsys):
@@ -221,7 +223,7 @@ def test_config_file_without_py_extension_loads_and_huge_ints_are_refused(tmp_pa
 
 # --- 6. divergence -----------------------------------------------------------------------------------------------
 def test_divergence_names_the_flag_that_was_set(capsys):
-    fails([*MLP, "--steps", "4", "--optimizer", "sgd", "--lr", "1e6"], capsys,
+    fails([*MLP, "--steps", "4", "--optimizer", "sgd", "--lr", "1e6", "--on-nonfinite", "abort"], capsys,
           contains="; lower --lr (it is 1e+06 with --optimizer sgd; try 10x smaller)")
 
 

@@ -47,6 +47,8 @@ def mean_params_like(ctx, tree, comm_state=()):
     within-replica sharding.
     """
     comm = ctx.communicator
+    if _single_replica():
+        return tree, comm_state
     if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return comm.mean(tree, comm_state, AXIS)
     specs = jax.tree.map(lambda s: mesh_lib.keep_within_replica(s.spec), ctx.param_shardings,
@@ -58,12 +60,21 @@ def mean_params_like(ctx, tree, comm_state=()):
                          check_vma=False)(tree, comm_state)
 
 
+def _single_replica() -> bool:
+    """One replica: its mean is itself. Skipping the collective is also needed: a psum over a replica axis of size
+    1 with fsdp larger than 1 crashes XLA's SPMD partitioner (jax 0.10.2: "Cross-partition allreduce must be in
+    (partial) manual partitioning mode")."""
+    return lax.axis_size(AXIS) == 1
+
+
 def replica_index():
     return lax.axis_index(AXIS)
 
 
 def participants(weight):
     """How many replicas have weight > 0: an integer sum, exact for any replica count."""
+    if _single_replica():
+        return (weight > 0).astype(jnp.int32)
     return lax.psum((weight > 0).astype(jnp.int32), AXIS)
 
 
@@ -75,7 +86,9 @@ def mean_over(ctx, tree, weight=None, params_like=False, comm_state=()):
     """
     if weight is not None:
         tree = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
-    if params_like:
+    if _single_replica():
+        pass
+    elif params_like:
         tree, comm_state = mean_params_like(ctx, tree, comm_state)
     else:
         tree, comm_state = ctx.communicator.mean(tree, comm_state, AXIS)
@@ -88,6 +101,8 @@ def mean_over(ctx, tree, weight=None, params_like=False, comm_state=()):
 def native_mean(tree, weight=None):
     """Mean over (participating) replicas with XLA's own all-reduce: for metrics and BatchNorm statistics, which are
     small and must not go through a (possibly lossy, stateful) gradient communicator."""
+    if _single_replica():
+        return tree if weight is None else jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
     if weight is None:
         return lax.pmean(tree, AXIS)
     masked = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)

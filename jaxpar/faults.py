@@ -1,0 +1,118 @@
+"""Numerical faults and silent corruption: skip a non-finite step, and check that replicated copies agree.
+
+- `keep_if_finite(old, new, metrics)`: inside the jitted step, keeps `old` (bit-identical) when the loss or any
+  floating-point leaf of the updated state is not finite; the step counter and run key still advance (the batch is
+  consumed). Adds the metric `skipped` (1.0 or 0.0).
+- `ReplicaCheck`: one compiled function that fingerprints every device's local copy of every parameter; copies of
+  the same block (devices that differ only along mesh axes the parameter is not split over) must have equal
+  fingerprints. Under sync SGD every replica must hold identical parameters; under local SGD and DiLoCo the anchor
+  (`state.params`) is replicated too, and the replicas' own drift is reported as `replica_divergence` at meetings.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.errors import ReplicaMismatch
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _all_finite(tree) -> jax.Array:
+    checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+              if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(checks).all() if checks else jnp.bool_(True)
+
+
+def _select(ok, new, old):
+    if _is_key(new):
+        return jax.random.wrap_key_data(jnp.where(ok, jax.random.key_data(new), jax.random.key_data(old)),
+                                        impl=jax.random.key_impl(new))
+    return jnp.where(ok, new, old)
+
+
+def keep_if_finite(old, new, metrics: dict):
+    """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced."""
+    ok = jnp.isfinite(metrics["loss"]).all() & _all_finite(
+        (new.params, new.opt_state, new.model_state, new.strategy_state, new.comm_state))
+    kept = jax.tree.map(lambda n, o: _select(ok, n, o), new._replace(step=old.step, key=old.key), old)
+    return kept._replace(step=new.step, key=new.key), {**metrics, "skipped": (~ok).astype(jnp.float32)}
+
+
+# --- replica consistency --------------------------------------------------------------------------------------------
+def _fingerprint(x) -> jax.Array:
+    """A uint32 hash of a block's bits (position-weighted sum, wrapping): any changed bit changes it."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    bits = bits.ravel()
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)
+    return jnp.sum(bits * weights, dtype=jnp.uint32)
+
+
+class ReplicaCheck:
+    """Compares every device's copy of each parameter block; `check(params, step)` raises `ReplicaMismatch`."""
+
+    def __init__(self, param_shardings, mesh):
+        self.mesh = mesh
+        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(param_shardings)
+        self.names = [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+                      for path, _ in leaves]  # e.g. hidden.kernel
+        self.specs = [s.spec for _, s in leaves]
+        axes = tuple(mesh.axis_names)
+
+        def local(*blocks):
+            prints = jnp.stack([_fingerprint(b) for b in blocks]) if blocks else jnp.zeros((0,), jnp.uint32)
+            return prints.reshape((1,) * len(axes) + prints.shape)
+
+        self._fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(self.specs), out_specs=P(*axes),
+                                         check_vma=False))
+
+    def fingerprints(self, params) -> np.ndarray:
+        """[*mesh.shape, parameters]: each device's fingerprint of its copy of each parameter block."""
+        return np.asarray(jax.device_get(self._fn(*jax.tree.leaves(params))))
+
+    def mismatches(self, params) -> list[str]:
+        prints = self.fingerprints(params)
+        axes = list(self.mesh.axis_names)
+        problems = []
+        for index, (name, spec) in enumerate(zip(self.names, self.specs)):
+            split = {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+            groups: dict[tuple, list[tuple]] = {}
+            for position in np.ndindex(*self.mesh.devices.shape):
+                block = tuple(position[axes.index(a)] for a in sorted(split))
+                groups.setdefault(block, []).append(position)
+            for positions in groups.values():
+                values = [int(prints[position + (index,)]) for position in positions]
+                if len(set(values)) == 1:
+                    continue
+                common, count = Counter(values).most_common(1)[0]
+                odd = [p for p, v in zip(positions, values) if v != common] if count > 1 else positions[1:]
+                where = ", ".join(f"{self.mesh.devices[p]} ({self._coords(p)})" for p in odd)
+                problems.append(f"parameter {name}: the copy on {where} differs from the copy on "
+                                f"{self.mesh.devices[positions[values.index(common)]]}")
+        return problems
+
+    def _coords(self, position) -> str:
+        return ",".join(f"{a}={i}" for a, i in zip(self.mesh.axis_names, position) if self.mesh.shape[a] > 1)
+
+    def check(self, params, step: int) -> None:
+        problems = self.mismatches(params)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise ReplicaMismatch(f"replica check at step {step}: {problems[0]}{more}; the replicated parameters have "
+                                  f"diverged (a non-deterministic op, a bad device or memory): stopped so nothing "
+                                  f"corrupt is saved; resume from the last checkpoint")
