@@ -4,7 +4,7 @@ from jaxpar import actions
 from jaxpar.actions import Action, Evaluate, StepEvent
 from jaxpar.collectives import Communicator, communicator
 from jaxpar.config import Config
-from jaxpar.errors import (ConfigError, DataError, FitError, JaxparError, MeshError, ModelError, OptionError,
+from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError, OptionError,
                            ResourceError, ShardingError, StateError)
 from jaxpar.linen import from_linen
 from jaxpar.mesh import make_mesh
@@ -14,6 +14,14 @@ from jaxpar.step import TrainState
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.trainer import Trainer
 
-__all__ = ["Action", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "DeviceError", "Evaluate", "FitError",
+__all__ = ["Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "DeviceError", "Evaluate", "FitError",
            "JaxparError", "MeshError", "ModelError", "OptionError", "ResourceError", "ShardingError", "StateError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
            "Trainer", "TrainState", "actions", "communicator", "from_linen", "make_mesh"]
+
+
+def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used
+    if name == "Checkpointer":
+        from jaxpar.checkpoint import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")

@@ -192,6 +192,14 @@ class Checkpointer:
     def meta(self, step: int) -> dict:
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+    def arrays(self, step: int) -> dict[str, np.ndarray]:
+        """Every array of a checkpoint by name, as host numpy arrays (to inspect or compare checkpoints)."""
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        leaves = self.meta(step)["leaves"]
+        arrays = self._read(step, {n: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]), sharding=device)
+                                   for n, d in leaves.items()})
+        return {n: np.asarray(a) for n, a in arrays.items()}
+
     def restore(self, trainer, step: int | None = None) -> tuple[object, dict, list[str]]:
         """(train state for `trainer`'s mesh and strategy, the checkpoint's metadata, notes) of `step` (default:
         the latest). Raises `CheckpointError` naming the step and file if it is missing, corrupt or of another

@@ -21,10 +21,8 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
 from jaxpar.preemption import StopRequest
-from jaxpar.resume import resume_run
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
@@ -226,7 +224,11 @@ def _train(config: Config, jsonl) -> dict:
                           skip_nonfinite=config.on_nonfinite == "skip")
     except ShardingError as error:
         raise _as_flag_error(error, config) from None
-    checkpoints = Checkpointer(config.checkpoint_dir, config.keep) if config.checkpoint_dir else None
+    checkpoints = None
+    if config.checkpoint_dir:
+        from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
+
+        checkpoints = Checkpointer(config.checkpoint_dir, config.keep)
     try:
         return _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule)
     finally:
@@ -237,7 +239,11 @@ def _train(config: Config, jsonl) -> dict:
 def _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule) -> dict:
     strategy, mesh, replicas = trainer.strategy, trainer.mesh, trainer.num_replicas
     local_bn = config.bn == "local" or strategy.local_statistics
-    state, start = resume_run(checkpoints, trainer, config, train_batches) if config.resume else (None, 0)
+    state, start = None, 0
+    if config.resume:
+        from jaxpar.resume import resume_run
+
+        state, start = resume_run(checkpoints, trainer, config, train_batches)
     if state is None:
         state = trainer.init(config.seed)
     replica_check = actions.CheckReplicas(config.check_every)

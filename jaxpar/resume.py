@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import Config
 from jaxpar.errors import CheckpointError
 
 log = logging.getLogger("jaxpar")
 
 
-def resume_run(checkpoints: Checkpointer, trainer, config: Config, batches) -> tuple[object | None, int]:
+def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | None, int]:
     """(restored train state, its step), or (None, 0) to start fresh when `--resume` finds no checkpoint.
     Sets `batches` (a `jaxpar.data.Batches`) to the saved data position."""
     steps = checkpoints.steps()

@@ -1,0 +1,70 @@
+"""What checkpointing costs: the default transformer trained with a checkpoint every N steps against none.
+
+    python benchmarks/checkpoint.py --mesh 2x4 --every 10 --steps 40 --rounds 5
+
+Rounds alternate (with checkpoints, without, with, ...) in one process on one trainer, so machine noise hits both
+alike. Each round is `fit` for --steps steps, timed to its end (a round with checkpoints also waits until its last
+save is durable). Prints the median samples/s of each and their ratio (the goal is >= 0.9), as one JSON line too.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxpar  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mesh", default="2x4")
+    parser.add_argument("--every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--steps", type=int, default=40, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
+
+    import jax
+    import optax
+
+    import models
+    from jaxpar import actions, data
+    from jaxpar.checkpoint import Checkpointer
+
+    config = jaxpar.Config().resolved()  # the default run: transformer, batch 32, seq 128
+    trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), optax.adamw(config.lr), mesh)
+    batches = data.prefetch_to_device(
+        data.text_batches(data.load_text(max_bytes=1 << 20), config.batch_size, config.seq_len, 0), trainer.shard_batch)
+    state = trainer.fit(trainer.init(0), batches, 3)  # compile
+    jax.block_until_ready(state)
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoints = Checkpointer(folder, keep=2)
+        rates = {"with": [], "without": []}
+        for round_index in range(2 * args.rounds):
+            kind = "with" if round_index % 2 == 0 else "without"
+            loop = [actions.Checkpoint(checkpoints, args.every, at_end=False)] if kind == "with" else []
+            start = time.perf_counter()
+            state = trainer.fit(state, batches, args.steps, actions=loop)
+            jax.block_until_ready(state)
+            checkpoints.wait()
+            rates[kind].append(args.steps * config.batch_size / (time.perf_counter() - start))
+        checkpoints.close()
+        size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+    result = {"mesh": args.mesh, "every": args.every, "steps_per_round": args.steps, "rounds": args.rounds,
+              "samples_per_sec_with": statistics.median(rates["with"]),
+              "samples_per_sec_without": statistics.median(rates["without"]),
+              "checkpoint_bytes_on_disk": size}
+    result["ratio"] = result["samples_per_sec_with"] / result["samples_per_sec_without"]
+    print(f"checkpoint every {args.every} steps: {result['samples_per_sec_with']:.1f} samples/s, none: "
+          f"{result['samples_per_sec_without']:.1f} samples/s, ratio {result['ratio']:.3f} "
+          f"(median of {args.rounds} alternating rounds of {args.steps} steps; {size:,} bytes on disk for 2 kept)")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

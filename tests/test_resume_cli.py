@@ -1,0 +1,128 @@
+"""run.py with checkpoints: a run killed with SIGKILL and resumed is bit-identical to one never interrupted (sync,
+local SGD killed between meetings, SSP killed mid-schedule); SIGTERM saves and exits 0; --resume's refusals.
+
+The killed run is a real process; the uninterrupted and the resumed runs run in-process (`run.main`)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import run
+from jaxpar.checkpoint import MANIFEST, Checkpointer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--model", "mlp", "--mesh", "2x4", "--log-every", "1", "--eval-batches", "0", "--lr", "0.01"]
+STEPS = 12
+
+
+def records(path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, open(path).read().splitlines()) if "step" in r and "loss" in r}
+
+
+def child_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # run.py creates its own CPU devices
+
+
+def start(args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "run.py", *args], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"gave up waiting (exit code {process.returncode}): {process.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("strategy", [
+    [],
+    ["--strategy", "local_sgd", "--sync-period", "3"],  # checkpoint at 4 and 8: between the meetings at 3, 6, 9
+    ["--strategy", "ssp", "--staleness", "2", "--stragglers", "1:2.0"],  # checkpoint mid-schedule
+], ids=["sync", "local_sgd", "ssp"])
+def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(strategy, tmp_path, capsys):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    # uninterrupted (and `--resume` on an empty folder starts fresh, saying so)
+    assert run.main([*BASE, *strategy, "--steps", str(STEPS), "--checkpoint-dir", str(whole), "--resume",
+                     "--metrics", str(tmp_path / "whole.jsonl")]) == 0
+    assert f"jaxpar: note: --resume: no checkpoint in {whole} yet: starting fresh" in capsys.readouterr().out
+    # killed with SIGKILL once the checkpoint of step 4 is complete (a later save may be half-written)
+    process = start([*BASE, *strategy, "--steps", "100000", "--checkpoint-dir", str(killed), "--checkpoint-every",
+                     "4"])
+    wait_for(lambda: (killed / "4").is_dir(), process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    saved = Checkpointer(str(killed)).steps()
+    assert saved and saved[0] == 4
+    assert run.main([*BASE, *strategy, "--steps", str(STEPS), "--checkpoint-dir", str(killed), "--resume",
+                     "--metrics", str(tmp_path / "resumed.jsonl")]) == 0
+    assert f"resumed at step {saved[-1]}" in capsys.readouterr().out
+    expected, resumed = records(tmp_path / "whole.jsonl"), records(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == list(range(saved[-1] + 1, STEPS + 1))
+    for step in resumed:
+        assert resumed[step]["loss"] == expected[step]["loss"], step  # bit-identical, not close
+    a, b = Checkpointer(str(whole)).arrays(STEPS), Checkpointer(str(killed)).arrays(STEPS)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_saves_a_durable_checkpoint_and_exits_0(tmp_path):
+    folder, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    process = start([*BASE, "--steps", "100000", "--checkpoint-dir", str(folder), "--checkpoint-every", "1000",
+                     "--metrics", str(metrics)])
+    wait_for(lambda: metrics.parent.glob(".m.jsonl.*") and any(
+        '"step": 2' in p.read_text() for p in tmp_path.glob(".m.jsonl.*")), process)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err[-2000:]
+    step = int(err.split("run.py: stopped at step ")[1].split(";")[0])
+    assert err.endswith(f"run.py: stopped at step {step}; its checkpoint is saved: continue with --resume\n")
+    assert Checkpointer(str(folder)).steps() == [step] and (folder / str(step) / MANIFEST).exists()
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert lines[-1] == {"stopped": f"preempted: checkpoint of step {step} saved"}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("finished")
+    assert run.main([*BASE, "--steps", "3", "--checkpoint-dir", str(folder)]) == 0
+    return folder
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "0.02", "--hidden", "64"], "the checkpoint of step 3 was written with another config: --hidden 64 "
+                                         "(checkpoint: 128), --lr 0.02 (checkpoint: 0.01); resume with the "
+                                         "checkpoint's values, or start a fresh run in another folder"),
+    (["--resume-step", "2"], "has no checkpoint of step 2; it has steps 3"),
+    (["--steps", "3"], "its checkpoint of step 3 is already at or past --steps 3; pass a larger --steps to train on"),
+])
+def test_resume_refusals_name_the_folder_and_what_differs(finished, args, message, capsys):
+    argv = [*BASE, "--steps", "6", "--checkpoint-dir", str(finished), "--resume", *args]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: --checkpoint-dir {str(finished)!r}: {message}\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--resume"], "--resume auto: needs --checkpoint-dir (the folder to resume from)"),
+    (["--resume-step", "3"], "--resume-step 3: applies only with --resume; add --resume"),
+    (["--checkpoint-dir", "/proc/version"], "--checkpoint-dir '/proc/version': is a regular file, not a folder"),
+    (["--on-nonfinite", "ignore"], "--on-nonfinite 'ignore': choose one of skip, abort"),
+])
+def test_checkpoint_flag_errors(args, message, capsys):
+    assert run.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: {message}") and err.count("\n") == 1
+
+
+def test_resume_required_refuses_an_empty_folder(tmp_path, capsys):
+    assert run.main([*BASE, "--checkpoint-dir", str(tmp_path), "--resume", "required"]) == 2
+    assert capsys.readouterr().err == (f"run.py: error: --checkpoint-dir {str(tmp_path)!r}: holds no checkpoint to "
+                                       f"resume from (--resume required); run without --resume to start fresh\n")
