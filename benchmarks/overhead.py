@@ -3,7 +3,8 @@
     python benchmarks/overhead.py --mesh 2x4 --rounds 5 --steps 20
 
 Runs alternate (trainer, hand-written, trainer, ...) in one process so machine noise hits both alike; prints the
-median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step).
+median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step). The trainer's step includes
+the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) unless --no-skip.
 """
 
 import argparse
@@ -25,6 +26,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-skip", action="store_true",
+                        help="Trainer(skip_nonfinite=False): leave out the non-finite-step guard (on by default)")
     args = parser.parse_args()
     mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
 
@@ -42,7 +45,7 @@ def main():
     else:
         batch = next(data.array_batches(data.load_digits()[0], args.batch_size, 0))
 
-    trainer = jaxpar.Trainer(factory, loss_fn, tx, mesh)
+    trainer = jaxpar.Trainer(factory, loss_fn, tx, mesh, skip_nonfinite=not args.no_skip)
     trainer_batch = trainer.shard_batch(batch)
 
     # The hand-written baseline: what a JAX user writes without jaxpar.
@@ -103,7 +106,7 @@ def main():
             start = time.perf_counter()
             fn(args.steps)
             rates[name].append(args.steps / (time.perf_counter() - start))
-    result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size,
+    result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "skip_nonfinite": not args.no_skip,
               "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
               "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
     result["ratio"] = result["jaxpar_steps_per_sec"] / result["hand_jit_steps_per_sec"]

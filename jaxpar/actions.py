@@ -107,6 +107,7 @@ class StopIfDiverged(Action):
 
         loss = event.metrics.get("loss", 0.0)
         if event.metrics.get("skipped"):
+            event.metrics["examples"] = 0.0  # nothing was applied: throughput counts applied examples only
             self.skipped += 1
             self.in_a_row += 1
             event.metrics["skipped_steps"] = float(self.skipped)

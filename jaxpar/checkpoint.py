@@ -27,6 +27,9 @@ import json
 import os
 import re
 import shutil
+import tempfile
+import threading
+import time
 import zlib
 
 import jax
@@ -102,8 +105,8 @@ def _crc(path: str) -> int:
 
 def write_manifest(folder: str) -> None:
     entries = {f: [os.path.getsize(os.path.join(folder, f)), _crc(os.path.join(folder, f))] for f in _files(folder)}
-    temporary = os.path.join(folder, f".{MANIFEST}.tmp")
-    with open(temporary, "w") as handle:
+    fd, temporary = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=folder)
+    with os.fdopen(fd, "w") as handle:
         json.dump({"format": FORMAT, "files": entries}, handle)
         handle.flush()
         os.fsync(handle.fileno())
@@ -119,9 +122,10 @@ def verify(folder: str) -> str | None:
     try:
         with open(path) as handle:
             files = json.load(handle)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"its manifest {path} is unreadable ({error})"
-    for name, (size, crc) in files.items():
+        entries = [(str(name), int(size), int(crc)) for name, (size, crc) in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        return f"its manifest {path} is unreadable ({type(error).__name__})"
+    for name, size, crc in entries:
         full = os.path.join(folder, name)
         if not os.path.isfile(full):
             return f"file {full} is missing"
@@ -175,18 +179,44 @@ class Checkpointer:
         self._manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                               meta=ocp.args.JsonSave(meta)), force=True)
         self._unverified.append(int(step))
+        # the manifest as soon as orbax has renamed the finished checkpoint into place (so the newest checkpoint
+        # is verified too when the process is killed before the next save); `wait` writes it otherwise
+        threading.Thread(target=self._manifest_when_final, args=(self.folder(int(step)),), daemon=True).start()
+
+    @staticmethod
+    def _manifest_when_final(folder: str, timeout: float = 3600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not os.path.isdir(folder):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        try:
+            write_manifest(folder)
+        except OSError:
+            pass  # deleted meanwhile (max_to_keep), or the disk failed: `wait` reports it
 
     def wait(self) -> None:
         """Blocks until every started save is durable, and writes their manifests."""
-        self._manager.wait_until_finished()
-        for step in self._unverified:
-            if os.path.isdir(self.folder(step)):  # (kept by max_to_keep)
-                write_manifest(self.folder(step))
-        self._unverified.clear()
+        try:
+            self._manager.wait_until_finished()
+            for step in self._unverified:
+                if os.path.isdir(self.folder(step)):  # (kept by max_to_keep)
+                    write_manifest(self.folder(step))
+        except Exception as error:  # orbax's background write or the manifest: a full disk, a vanished folder
+            step = self._unverified[-1] if self._unverified else "?"
+            raise CheckpointError(self.directory, f"saving the checkpoint of step {step} failed "
+                                                  f"({_first_line(error)}); free space or pass another folder") from None
+        finally:
+            self._unverified.clear()
 
-    def close(self) -> None:
-        self.wait()
-        self._manager.close()
+    def close(self, quiet: bool = False) -> None:
+        """Waits until every save is durable; `quiet`: a failure is swallowed (another error is being reported)."""
+        try:
+            self.wait()
+            self._manager.close()
+        except Exception:
+            if not quiet:
+                raise
 
     # --- restore ----------------------------------------------------------------------------------------------
     def meta(self, step: int) -> dict:
@@ -236,14 +266,18 @@ class Checkpointer:
         """Moves checkpoints newer than `step` into `DIR/superseded/` (a run resumed from `step` would write those
         steps again); returns their steps."""
         newer = [s for s in self.steps() if s > step]
-        if newer:
-            os.makedirs(os.path.join(self.directory, SUPERSEDED), exist_ok=True)
-            for s in newer:
-                target = os.path.join(self.directory, SUPERSEDED, str(s))
-                if os.path.exists(target):
-                    shutil.rmtree(target)
-                os.replace(self.folder(s), target)
-            self._manager.reload()
+        try:
+            if newer:
+                os.makedirs(os.path.join(self.directory, SUPERSEDED), exist_ok=True)
+                for s in newer:
+                    target = os.path.join(self.directory, SUPERSEDED, str(s))
+                    if os.path.exists(target):
+                        shutil.rmtree(target)
+                    os.replace(self.folder(s), target)
+                self._manager.reload()
+        except OSError as error:
+            raise CheckpointError(self.directory, f"cannot move the checkpoints newer than step {step} aside "
+                                                  f"({error.strerror}); move or delete them yourself") from None
         return newer
 
     def _read(self, step: int, abstract: dict) -> dict:
@@ -271,12 +305,12 @@ class Checkpointer:
     def _restore_reduced(self, step: int, meta: dict, trainer, same_strategy: bool):
         """Through the strategy-free state: per-replica arrays averaged, stale versions dropped."""
         saved = meta["leaves"]
-        everywhere = NamedSharding(trainer.mesh, P())
-        raw = self._read(step, {n: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]), sharding=everywhere)
-                                for n, d in saved.items()})
         neutral = trainer.abstract_state(neutral=True)
         flat, names, treedef = flatten(neutral)
         wanted = _describe(flat)
+        raw = self._read(step, {n: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]),
+                                                        sharding=_placement(n, d, flat, wanted, trainer.mesh))
+                                for n, d in saved.items()})
         per_replica = any(n.startswith("strategy_state.params.") for n in saved)
         values, problems = {}, []
         for name in names:
@@ -289,10 +323,10 @@ class Checkpointer:
                 continue
             value = raw[source]
             if source == own:  # [replicas, ...]: average floats as at a meeting; integers (counts, keys) agree
-                anchor = raw.get(name)
+                anchor = raw.get(name) if name.startswith("model_state.") else None  # RNG keys: the anchor's
                 if jnp.issubdtype(value.dtype, jnp.floating):
                     value = jnp.mean(value, axis=0, dtype=jnp.float32).astype(value.dtype)
-                else:
+                else:  # counts agree across replicas
                     value = anchor if anchor is not None and anchor.shape == value.shape[1:] else value[0]
             if list(value.shape) != wanted[name]["shape"] or str(np.dtype(value.dtype)) != wanted[name]["dtype"]:
                 problems.append(f"{name}: checkpoint {str(np.dtype(value.dtype))}{list(value.shape)}, this model "
@@ -313,6 +347,24 @@ class Checkpointer:
         if same_strategy:  # e.g. DiLoCo's outer optimizer state: replica-count independent, carried over
             state = _carry_opt_state(state, raw, saved)
         return state, [_reduction_note(step, meta, trainer, per_replica, same_strategy)]
+
+
+def _placement(name: str, described: dict, flat: dict, wanted: dict, mesh) -> NamedSharding:
+    """Where to read a saved array on the new mesh: sharded like the strategy-free array it is (or stacks, with a
+    leading replica / version dimension), so no device holds more than it will; whole only if nothing matches."""
+    shape = described["shape"]
+    candidates = [(name, False)]
+    for prefix, base in (("strategy_state.versions.", "params."), ("strategy_state.", "")):
+        if name.startswith(prefix):
+            candidates.append((base + name[len(prefix):], True))
+            break
+    for base, stacked in candidates:
+        if base in flat:
+            if not stacked and shape == wanted[base]["shape"]:
+                return flat[base].sharding
+            if stacked and shape[1:] == wanted[base]["shape"]:
+                return NamedSharding(mesh, P(None, *flat[base].sharding.spec))
+    return NamedSharding(mesh, P())
 
 
 def _covered(name: str, names: list[str]) -> bool:

@@ -21,9 +21,9 @@ import models
 from jaxpar import actions, data
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
-from jaxpar.errors import ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
+from jaxpar.errors import CheckpointError, ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
 from jaxpar.preemption import StopRequest
-from jaxpar.metrics import JsonlFile, RunLogger
+from jaxpar.metrics import JsonlFile, RunLogger, records_before
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.strategies import option_default
@@ -229,14 +229,26 @@ def _train(config: Config, jsonl) -> dict:
         from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
 
         checkpoints = Checkpointer(config.checkpoint_dir, config.keep)
-    try:
-        return _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule)
-    finally:
+        existing = checkpoints.steps()
+        if existing and not config.resume:
+            raise CheckpointError(checkpoints.directory, f"already holds checkpoints of another run (steps "
+                                                         f"{', '.join(map(str, existing))}); pass {{resume}} to "
+                                                         f"continue it, or use an empty folder")
+    # SIGTERM / Ctrl-C from here to the end of the last save: save a checkpoint and stop (see jaxpar.preemption)
+    with StopRequest() if checkpoints is not None else contextlib.nullcontext() as stop:
+        try:
+            summary = _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest,
+                           schedule)
+        except BaseException:
+            if checkpoints is not None:
+                checkpoints.close(quiet=True)  # durable if it can be; the error on its way out is the one to report
+            raise
         if checkpoints is not None:
-            checkpoints.close()  # every save started is durable before the run ends, however it ends
+            checkpoints.close()  # every save started is durable before the run reports success
+        return summary
 
 
-def _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, largest, schedule) -> dict:
+def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest, schedule) -> dict:
     strategy, mesh, replicas = trainer.strategy, trainer.mesh, trainer.num_replicas
     local_bn = config.bn == "local" or strategy.local_statistics
     state, start = None, 0
@@ -293,17 +305,18 @@ def _run(config, jsonl, trainer, checkpoints, train_batches, held_out, size_at, 
     if config.eval_batches:
         loop.append(evaluation)
     batches = data.prefetch_to_device(train_batches, trainer.shard_batch)
-    stop = StopRequest()
     if checkpoints is not None:
         record = config.to_record()
         saving = actions.Checkpoint(checkpoints, config.checkpoint_every,
                                     extra=lambda: {"data": batches.get_state(), "config": record})
         loop += [saving, actions.StopWhen(stop.is_set, saving)]
+    if start and config.metrics:  # one continuous file: the earlier run's records up to the resumed step
+        for record in records_before(config.metrics, start):
+            logger.write(record)
     logger.write({**config.to_record(), **({"resumed_from": start} if start else {})})
     try:
         started = time.perf_counter()
-        with stop if checkpoints is not None else contextlib.nullcontext():
-            state = trainer.fit(state, batches, config.steps - start, actions=loop)
+        state = trainer.fit(state, batches, config.steps - start, actions=loop)
         seconds = time.perf_counter() - started
     except BaseException as error:  # training started: keep what was logged, and say how it ended
         reason = (cli_message(error) if isinstance(error, JaxparError) else

@@ -27,10 +27,23 @@ def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _all_finite(tree) -> jax.Array:
-    checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+def _all_finite(tree, shardings, mesh) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite. Each device sums its own shards (a NaN or infinity
+    makes a sum non-finite; so would finite values summing past float32's range, beyond 1e38, a fault anyway) and
+    one all-reduce combines the devices: a global reduction per leaf would cost one collective per leaf."""
+    leaves = jax.tree.leaves(tree)
+    specs = [s.spec for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
+    chosen = [(x, spec) for x, spec in zip(leaves, specs, strict=True)
               if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.stack(checks).all() if checks else jnp.bool_(True)
+    if not chosen:
+        return jnp.bool_(True)
+
+    def local(*blocks):
+        total = sum(jnp.sum(b, dtype=jnp.float32) for b in blocks)
+        return jnp.isfinite(lax.psum(total, tuple(mesh.axis_names)))
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=P(),
+                         check_vma=False)(*(x for x, _ in chosen))
 
 
 def _select(ok, new, old):
@@ -40,10 +53,12 @@ def _select(ok, new, old):
     return jnp.where(ok, new, old)
 
 
-def keep_if_finite(old, new, metrics: dict):
-    """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced."""
+def keep_if_finite(old, new, metrics: dict, shardings, mesh):
+    """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced.
+    `shardings`: the train state's (a `TrainState` of `NamedSharding`s) on `mesh`."""
+    fields = ("params", "opt_state", "model_state", "strategy_state", "comm_state")
     ok = jnp.isfinite(metrics["loss"]).all() & _all_finite(
-        (new.params, new.opt_state, new.model_state, new.strategy_state, new.comm_state))
+        tuple(getattr(new, f) for f in fields), tuple(getattr(shardings, f) for f in fields), mesh)
     kept = jax.tree.map(lambda n, o: _select(ok, n, o), new._replace(step=old.step, key=old.key), old)
     return kept._replace(step=new.step, key=new.key), {**metrics, "skipped": (~ok).astype(jnp.float32)}
 

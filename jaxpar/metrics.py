@@ -36,6 +36,28 @@ def strict_json(value):
     return value
 
 
+def records_before(path: str, step: int) -> list[dict]:
+    """The records of an earlier run's metrics file up to `step` (its config records and its step and evaluation
+    records with `step` <= `step`; no `stopped` record): what a run resumed at `step` continues from. A missing or
+    unreadable file gives []."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or "stopped" in record:
+            continue
+        if "step" not in record or (isinstance(record["step"], int) and record["step"] <= step):
+            kept.append(record)
+    return kept
+
+
 class JsonlFile:
     """A JSONL file written to `.<name>.*.tmp` next to `path` (after symlinks) and renamed onto it by `commit()`.
 

@@ -1,5 +1,6 @@
 """Stopping on request: SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) finishes the current step, saves a
-checkpoint, waits until it is durable and exits 0 (`run.py` with `--checkpoint-dir`). A second signal stops at once.
+checkpoint, waits until it is durable and exits 0 (`run.py` with `--checkpoint-dir`). A second Ctrl-C stops at
+once; repeated SIGTERMs (schedulers send several) do not interrupt the save.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import signal
 import sys
 import threading
 
-from jaxpar.errors import Terminated
 
 
 class StopRequest:
@@ -37,10 +37,12 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, number, frame) -> None:
-        if self.requested.is_set():  # the second signal: stop now, as without checkpoints
-            self.__exit__()
-            raise Terminated() if number == signal.SIGTERM else KeyboardInterrupt()
+        if self.requested.is_set():
+            if number == signal.SIGINT:  # a second Ctrl-C: stop now, as without checkpoints
+                self.__exit__()
+                raise KeyboardInterrupt()
+            return  # schedulers repeat SIGTERM: keep saving (the checkpoint must become durable)
         self.requested.set()
         self.signal = number
         print(f"jaxpar: {signal.Signals(number).name} received: saving a checkpoint after the step in flight, then "
-              f"stopping (send it again to stop at once)", file=sys.stderr, flush=True)
+              f"stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)

@@ -92,10 +92,10 @@ def wait_ready(tree, step: int) -> None:
     first one that is ready with an error is reported.
     """
     arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
-    if all(array.is_ready() for array in arrays):
+    if not arrays or arrays[0].is_ready():
         parts = arrays  # the usual case: read at once (an error, if any, raises below)
-    else:
-        parts = [shard.data for array in arrays for shard in array.addressable_shards]
+    else:  # one output's parts: a step's outputs on a device are ready together
+        parts = [shard.data for shard in arrays[0].addressable_shards]
     delay = 5e-5
     while True:
         pending = []

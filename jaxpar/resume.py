@@ -15,7 +15,7 @@ def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | 
     Sets `batches` (a `jaxpar.data.Batches`) to the saved data position."""
     steps = checkpoints.steps()
     if not steps:
-        if config.resume == "required":
+        if config.resume == "required" or config.resume_step is not None:
             raise CheckpointError(checkpoints.directory, "holds no checkpoint to resume from ({resume} required); "
                                                          "run without {resume} to start fresh")
         log.warning(f"--resume: no checkpoint in {checkpoints.directory} yet: starting fresh")

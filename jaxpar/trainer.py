@@ -166,7 +166,7 @@ class Trainer:
     def _traced_step(self, name, fn, state, batch, inputs):
         out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
         if self.skip_nonfinite:
-            out = keep_if_finite(state, *out)
+            out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
         count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
             shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())

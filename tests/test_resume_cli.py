@@ -87,6 +87,13 @@ def test_sigterm_saves_a_durable_checkpoint_and_exits_0(tmp_path):
     assert Checkpointer(str(folder)).steps() == [step] and (folder / str(step) / MANIFEST).exists()
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert lines[-1] == {"stopped": f"preempted: checkpoint of step {step} saved"}
+    # resumed with the same --metrics: one continuous file (the stop record dropped, a second config record)
+    assert run.main([*BASE, "--steps", str(step + 2), "--checkpoint-dir", str(folder), "--resume", "--metrics",
+                     str(metrics)]) == 0
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, step + 3))
+    assert [r.get("resumed_from") for r in lines if "versions" in r] == [None, step]
+    assert not any("stopped" in r for r in lines)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +127,18 @@ def test_checkpoint_flag_errors(args, message, capsys):
     assert run.main([*BASE, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"run.py: error: {message}") and err.count("\n") == 1
+
+
+def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused(finished, capsys):
+    assert run.main([*BASE, "--checkpoint-dir", str(finished)]) == 2
+    assert capsys.readouterr().err == (f"run.py: error: --checkpoint-dir {str(finished)!r}: already holds checkpoints "
+                                       f"of another run (steps 3); pass --resume to continue it, or use an empty "
+                                       f"folder\n")
+
+
+def test_resume_step_on_an_empty_folder_is_refused(tmp_path, capsys):
+    assert run.main([*BASE, "--checkpoint-dir", str(tmp_path), "--resume", "--resume-step", "5"]) == 2
+    assert "holds no checkpoint to resume from" in capsys.readouterr().err
 
 
 def test_resume_required_refuses_an_empty_folder(tmp_path, capsys):
