@@ -102,6 +102,16 @@ class StopIfDiverged(Action):
         self.first: float | None = None  # the first finite loss this action saw
         self.skipped = self.in_a_row = 0
 
+    def get_state(self) -> dict:
+        """The counters and the first loss, JSON-serialisable: saved with a checkpoint, so a resumed run goes on
+        counting `skipped_steps` and comparing with the same first loss."""
+        return {"skipped": self.skipped, "in_a_row": self.in_a_row, "first": self.first}
+
+    def set_state(self, state: dict) -> None:
+        self.skipped = int(state.get("skipped", self.skipped))
+        self.in_a_row = int(state.get("in_a_row", self.in_a_row))
+        self.first = state.get("first", self.first)
+
     def __call__(self, event):
         from jaxpar.errors import TrainingDiverged
 
@@ -134,7 +144,7 @@ class StopIfDiverged(Action):
 class Checkpoint(Action):
     """Every `every` steps and after the last: `checkpointer.save(step, state, ...)` (a `jaxpar.Checkpointer`;
     asynchronous: the loop waits only for the copy off the devices). `extra()` returns JSON-serialisable values
-    stored with it, e.g. `lambda: {"data": batches.get_state()}` for an exact resume of the data order."""
+    stored with it, e.g. `lambda: {"batches": batches.get_state()}` for an exact resume of the data order."""
 
     needs_state = True
     at_end = True

@@ -251,11 +251,11 @@ def _train(config: Config, jsonl) -> dict:
 def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest, schedule) -> dict:
     strategy, mesh, replicas = trainer.strategy, trainer.mesh, trainer.num_replicas
     local_bn = config.bn == "local" or strategy.local_statistics
-    state, start = None, 0
+    state, start, meta = None, 0, {}
     if config.resume:
         from jaxpar.resume import resume_run
 
-        state, start = resume_run(checkpoints, trainer, config, train_batches)
+        state, start, meta = resume_run(checkpoints, trainer, config, train_batches)
     if state is None:
         state = trainer.init(config.seed)
     replica_check = actions.CheckReplicas(config.check_every)
@@ -298,7 +298,9 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
                                   every=config.eval_every, on_result=on_eval, at_end=bool(config.eval_batches))
     last = {}
     skips = config.max_skips if config.on_nonfinite == "skip" else None
-    loop = [actions.StopIfDiverged(divergence_hint(config, size_at), max_skips=skips, max_skips_name="--max-skips"),
+    guard = actions.StopIfDiverged(divergence_hint(config, size_at), max_skips=skips, max_skips_name="--max-skips")
+    guard.set_state(meta.get("guard", {}))  # skip counts and the first loss continue across a resume
+    loop = [guard,
             Extras(), actions.OnStep(lambda step, metrics: last.update(metrics)), actions.Log(logger)]
     if config.check_every:
         loop.append(replica_check)
@@ -308,7 +310,8 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     if checkpoints is not None:
         record = config.to_record()
         saving = actions.Checkpoint(checkpoints, config.checkpoint_every,
-                                    extra=lambda: {"data": batches.get_state(), "config": record})
+                                    extra=lambda: {"batches": batches.get_state(), "config": record,
+                                                  "guard": guard.get_state()})
         loop += [saving, actions.StopWhen(stop.is_set, saving)]
     if start and config.metrics:  # one continuous file: the earlier run's records up to the resumed step
         for record in records_before(config.metrics, start):

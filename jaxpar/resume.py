@@ -10,8 +10,9 @@ from jaxpar.errors import CheckpointError
 log = logging.getLogger("jaxpar")
 
 
-def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | None, int]:
-    """(restored train state, its step), or (None, 0) to start fresh when `--resume` finds no checkpoint.
+def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | None, int, dict]:
+    """(restored train state, its step, its metadata), or (None, 0, {}) to start fresh when `--resume` finds no
+    checkpoint.
     Sets `batches` (a `jaxpar.data.Batches`) to the saved data position."""
     steps = checkpoints.steps()
     if not steps:
@@ -19,7 +20,7 @@ def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | 
             raise CheckpointError(checkpoints.directory, "holds no checkpoint to resume from ({resume} required); "
                                                          "run without {resume} to start fresh")
         log.warning(f"--resume: no checkpoint in {checkpoints.directory} yet: starting fresh")
-        return None, 0
+        return None, 0, {}
     step = config.resume_step if config.resume_step is not None else steps[-1]
     if step >= config.steps:
         raise CheckpointError(checkpoints.directory, f"its checkpoint of step {step} is already at or past "
@@ -44,6 +45,6 @@ def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | 
     if newer:
         log.warning(f"checkpoints of steps {', '.join(map(str, newer))} are newer than the resumed step {step}: "
                     f"moved to {checkpoints.directory}/superseded/ (not deleted)")
-    if meta.get("data"):
-        batches.set_state(meta["data"])
-    return state, step
+    if meta.get("batches"):
+        batches.set_state(meta["batches"])
+    return state, step, meta

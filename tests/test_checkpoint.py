@@ -44,7 +44,7 @@ def sync_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sync")
     trainer, state = trained()
     checkpoints = Checkpointer(str(folder), keep=2)
-    checkpoints.save(3, state, trainer.strategy, trainer.num_replicas, data={"position": 48, "step": 3})
+    checkpoints.save(3, state, trainer.strategy, trainer.num_replicas, batches={"position": 48, "step": 3})
     checkpoints.wait()
     params = trainer.params(state)
     state, metrics = trainer.step(state, batch_for("mlp", 16, seed=3))
@@ -56,7 +56,7 @@ def test_a_checkpoint_from_2x4_restores_identically_on_another_mesh_and_trains_o
     checkpoints, params, next_loss = sync_checkpoint
     trainer = trainer_for("mlp", mesh, optimizer=optax.adamw(1e-2))
     state, meta, notes = checkpoints.restore(trainer)
-    assert notes == [] and meta["data"] == {"position": 48, "step": 3} and int(state.step) == 3
+    assert notes == [] and meta["batches"] == {"position": 48, "step": 3} and int(state.step) == 3
     assert leaves_equal(trainer.params(state), params)
     state, metrics = trainer.step(state, batch_for("mlp", 16, seed=3))
     np.testing.assert_allclose(float(metrics["loss"]), next_loss, rtol=1e-6)  # the mesh-invariance tolerance
@@ -226,3 +226,22 @@ def test_a_perturbed_copy_on_one_device_is_named():
     with pytest.raises(ReplicaMismatch, match=rf"^replica check at step 7: parameter hidden\.kernel: "
                                               rf"the copy on {device} \(data=2,model=1\) differs from the copy on "):
         check.check(state.params, 7)
+
+
+def test_the_skip_counters_continue_across_a_resume():
+    """run.py saves `StopIfDiverged.get_state()` with each checkpoint and sets it back on resume."""
+    before = actions.StopIfDiverged(max_skips=2)
+    for step, skipped in [(1, 0.0), (2, 1.0), (3, 1.0)]:
+        before(actions.StepEvent(step, {"loss": 2.0, "skipped": skipped}, None, None, False))
+    after = actions.StopIfDiverged(max_skips=2)
+    after.set_state(json_roundtrip(before.get_state()))
+    assert after.get_state() == {"skipped": 2, "in_a_row": 2, "first": 2.0}
+    metrics = {"loss": float("nan"), "skipped": 1.0}
+    with pytest.raises(TrainingDiverged, match=r"^training diverged: 3 steps in a row were skipped"):
+        after(actions.StepEvent(4, metrics, None, None, False))
+    assert metrics["skipped_steps"] == 3.0
+
+
+def json_roundtrip(value):
+    import json
+    return json.loads(json.dumps(value))
