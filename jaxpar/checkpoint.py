@@ -91,7 +91,9 @@ def _describe(flat: dict) -> dict:
 def _files(folder: str) -> list[str]:
     out = []
     for root, _, files in os.walk(folder):
-        out.extend(os.path.relpath(os.path.join(root, f), folder) for f in files if f != MANIFEST)
+        # the manifest and its temporary files (a writer may be mid-way: the background thread and `wait` both write)
+        out.extend(os.path.relpath(os.path.join(root, f), folder) for f in files
+                   if f != MANIFEST and not f.startswith(f".{MANIFEST}."))
     return sorted(out)
 
 

@@ -138,6 +138,20 @@ def test_a_corrupted_checkpoint_names_the_file_and_the_older_intact_one(tmp_path
     assert flipped  # the truncated file is left as it was
 
 
+def test_a_manifest_being_written_meanwhile_is_not_listed_in_another(tmp_path):
+    """The background thread and `wait` may write a step's manifest at once: neither lists the other's temporary."""
+    from jaxpar.checkpoint import verify, write_manifest
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "data").write_bytes(b"x" * 100)
+    stray = tmp_path / f".{MANIFEST}.abc123.tmp"
+    stray.write_text("{}")
+    write_manifest(str(tmp_path))
+    stray.unlink()  # the other writer renamed it into place
+    assert verify(str(tmp_path)) is None
+    (tmp_path / "state" / "data").write_bytes(b"y" * 100)
+    assert verify(str(tmp_path)).endswith("is corrupted (its checksum differs from the one written with it)")
+
+
 def test_an_interrupted_save_is_never_listed(tmp_path):
     """SIGKILL right after `save` returns (the write still running in orbax's background thread)."""
     script = textwrap.dedent(f"""
