@@ -130,6 +130,10 @@ class StopIfDiverged(Action):
         self.in_a_row = 0
         if self.skipped:
             event.metrics["skipped_steps"] = float(self.skipped)
+        if event.metrics.get("nonfinite") and math.isfinite(loss):  # the loss was fine, the update was not
+            advice = self.hint(loss, event.step) if self.hint else "lower the learning rate"
+            raise TrainingDiverged(f"training diverged: the update of step {event.step} is not finite (its loss "
+                                   f"{loss:.4g} was); {advice}")
         if self.first is None and math.isfinite(loss):
             self.first = loss
         exploded = (math.isfinite(loss) and self.first is not None and loss > self.floor

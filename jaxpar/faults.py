@@ -53,12 +53,24 @@ def _select(ok, new, old):
     return jnp.where(ok, new, old)
 
 
-def keep_if_finite(old, new, metrics: dict, shardings, mesh):
-    """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced.
+def step_is_finite(new, metrics: dict, shardings, mesh) -> jax.Array:
+    """Whether a step's loss and every floating-point leaf of its updated state are finite (a bool scalar).
     `shardings`: the train state's (a `TrainState` of `NamedSharding`s) on `mesh`."""
     fields = ("params", "opt_state", "model_state", "strategy_state", "comm_state")
-    ok = jnp.isfinite(metrics["loss"]).all() & _all_finite(
+    return jnp.isfinite(metrics["loss"]).all() & _all_finite(
         tuple(getattr(new, f) for f in fields), tuple(getattr(shardings, f) for f in fields), mesh)
+
+
+def flag_if_not_finite(new, metrics: dict, shardings, mesh):
+    """`new` unchanged, with the metric `nonfinite` (1.0 when the loss or the updated state is not finite): without
+    skipping, this lets the loop stop before such a state is evaluated or checkpointed."""
+    ok = step_is_finite(new, metrics, shardings, mesh)
+    return new, {**metrics, "nonfinite": (~ok).astype(jnp.float32)}
+
+
+def keep_if_finite(old, new, metrics: dict, shardings, mesh):
+    """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced."""
+    ok = step_is_finite(new, metrics, shardings, mesh)
     kept = jax.tree.map(lambda n, o: _select(ok, n, o), new._replace(step=old.step, key=old.key), old)
     return kept._replace(step=new.step, key=new.key), {**metrics, "skipped": (~ok).astype(jnp.float32)}
 

@@ -31,7 +31,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
-from jaxpar.faults import keep_if_finite
+from jaxpar.faults import flag_if_not_finite, keep_if_finite
 from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
@@ -54,7 +54,8 @@ class Trainer:
       grad_accum: microbatches per update (must divide the per-replica batch).
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
       skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
-        counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it.
+        counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it and reports
+        `nonfinite` = 1.0 (`actions.StopIfDiverged` then stops before that state is checkpointed).
 
     A bad argument raises a `jaxpar.JaxparError` subclass naming it; a `loss_fn` that returns anything but
     `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced. Batches: a dict of
@@ -167,6 +168,8 @@ class Trainer:
         out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
         if self.skip_nonfinite:
             out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
+        else:
+            out = flag_if_not_finite(*out, self.state_shardings, self.mesh)
         count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
             shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())

@@ -259,3 +259,14 @@ def test_the_skip_counters_continue_across_a_resume():
 def json_roundtrip(value):
     import json
     return json.loads(json.dumps(value))
+
+
+def test_without_skipping_a_non_finite_update_stops_the_run_before_it_is_checkpointed(tmp_path):
+    trainer = trainer_for("mlp", "2x4", optimizer=optax.sgd(float("inf")), skip_nonfinite=False)
+    checkpoints = Checkpointer(str(tmp_path))
+    with pytest.raises(jaxpar.FitError, match=r"^training diverged: the update of step 1 is not finite \(its loss "
+                                              r"2\.\d+ was\); lower the learning rate$"):
+        trainer.fit(trainer.init(0), nan_batches(set()), 3,
+                    actions=[actions.StopIfDiverged(), actions.Checkpoint(checkpoints, every=1)])
+    checkpoints.wait()
+    assert checkpoints.steps() == []
