@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import time
 
@@ -228,6 +229,7 @@ def _train(config: Config, jsonl) -> dict:
     if config.checkpoint_dir:
         from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
 
+        created = not os.path.exists(config.checkpoint_dir)
         checkpoints = Checkpointer(config.checkpoint_dir, config.keep)
         existing = checkpoints.steps()
         if existing and not config.resume:
@@ -242,6 +244,8 @@ def _train(config: Config, jsonl) -> dict:
         except BaseException:
             if checkpoints is not None:
                 checkpoints.close(quiet=True)  # durable if it can be; the error on its way out is the one to report
+                if created and not os.listdir(checkpoints.directory):
+                    os.rmdir(checkpoints.directory)  # a run that saved nothing leaves no folder behind
             raise
         if checkpoints is not None:
             checkpoints.close()  # every save started is durable before the run reports success

@@ -145,7 +145,9 @@ def test_resume_step_on_an_empty_folder_is_refused(tmp_path, capsys):
     assert "holds no checkpoint to resume from" in capsys.readouterr().err
 
 
-def test_resume_required_refuses_an_empty_folder(tmp_path, capsys):
-    assert run.main([*BASE, "--checkpoint-dir", str(tmp_path), "--resume", "required"]) == 2
-    assert capsys.readouterr().err == (f"run.py: error: --checkpoint-dir {str(tmp_path)!r}: holds no checkpoint to "
+def test_resume_required_refuses_an_empty_folder_and_creates_none(tmp_path, capsys):
+    folder = tmp_path / "new"
+    assert run.main([*BASE, "--checkpoint-dir", str(folder), "--resume", "required"]) == 2
+    assert capsys.readouterr().err == (f"run.py: error: --checkpoint-dir {str(folder)!r}: holds no checkpoint to "
                                        f"resume from (--resume required); run without --resume to start fresh\n")
+    assert not folder.exists()  # a run that saved nothing leaves no folder behind
