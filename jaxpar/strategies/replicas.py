@@ -86,11 +86,9 @@ def mean_over(ctx, tree, weight=None, params_like=False, comm_state=()):
     """
     if weight is not None:
         tree = jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
-    if _single_replica():
-        pass
-    elif params_like:
-        tree, comm_state = mean_params_like(ctx, tree, comm_state)
-    else:
+    if params_like:
+        tree, comm_state = mean_params_like(ctx, tree, comm_state)  # (one replica: returned as it is)
+    elif not _single_replica():
         tree, comm_state = ctx.communicator.mean(tree, comm_state, AXIS)
     if weight is not None:
         scale = ctx.num_replicas / jnp.maximum(participants(weight), 1).astype(jnp.float32)
