@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
+    if jaxpar.distributed.is_main():
+        print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
     return 0
 
 

@@ -1,6 +1,6 @@
 """jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh."""
 
-from jaxpar import actions
+from jaxpar import actions, distributed
 from jaxpar.actions import Action, Evaluate, StepEvent
 from jaxpar.collectives import Communicator, communicator
 from jaxpar.config import Config
@@ -16,7 +16,7 @@ from jaxpar.trainer import Trainer
 
 __all__ = ["Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "DeviceError", "Evaluate", "FitError",
            "JaxparError", "MeshError", "ModelError", "OptionError", "ResourceError", "ShardingError", "StateError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
-           "Trainer", "TrainState", "actions", "communicator", "from_linen", "make_mesh"]
+           "Trainer", "TrainState", "actions", "communicator", "distributed", "from_linen", "make_mesh"]
 
 
 def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used

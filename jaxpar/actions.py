@@ -187,16 +187,21 @@ class CheckReplicas(Action):
 
 
 class StopWhen(Action):
-    """When `requested()` turns true (checked after every step; e.g. a SIGTERM handler set an event): saves a
-    checkpoint of that step through `checkpoint` (a `Checkpoint` action) and raises `Preempted(step)`."""
+    """When `requested(step)` turns true (asked once after every step; e.g. `StopRequest.at`): saves a checkpoint of
+    that step through `checkpoint` (a `Checkpoint` action) and raises `Preempted(step)`."""
 
     needs_state = True
 
-    def __init__(self, requested: Callable[[], bool], checkpoint: Checkpoint):
+    def __init__(self, requested: Callable[[int], bool], checkpoint: Checkpoint):
         self.requested, self.checkpoint = requested, checkpoint
+        self._asked: tuple[int, bool] | None = None
 
     def due(self, step, last):
-        return self.requested()
+        # asked exactly once per step, in step order (the loop may call `due` twice): with several processes each
+        # question is a step of an agreement all processes must take alike
+        if self._asked is None or self._asked[0] != step:
+            self._asked = (step, bool(self.requested(step)))
+        return self._asked[1]
 
     def __call__(self, event):
         from jaxpar.errors import Preempted

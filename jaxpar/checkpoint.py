@@ -181,6 +181,8 @@ class Checkpointer:
         self._manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(arrays),
                                                               meta=ocp.args.JsonSave(meta)), force=True)
         self._unverified.append(int(step))
+        if jax.process_index() != 0:
+            return  # process 0 writes the manifest (of every process's files, once orbax has renamed the folder)
         # the manifest as soon as orbax has renamed the finished checkpoint into place (so the newest checkpoint
         # is verified too when the process is killed before the next save); `wait` writes it otherwise
         threading.Thread(target=self._manifest_when_final, args=(self.folder(int(step)),), daemon=True).start()
@@ -201,7 +203,7 @@ class Checkpointer:
         """Blocks until every started save is durable, and writes their manifests."""
         try:
             self._manager.wait_until_finished()
-            for step in self._unverified:
+            for step in self._unverified if jax.process_index() == 0 else ():
                 if os.path.isdir(self.folder(step)):  # (kept by max_to_keep)
                     write_manifest(self.folder(step))
         except Exception as error:  # orbax's background write or the manifest: a full disk, a vanished folder
@@ -226,7 +228,7 @@ class Checkpointer:
 
     def arrays(self, step: int) -> dict[str, np.ndarray]:
         """Every array of a checkpoint by name, as host numpy arrays (to inspect or compare checkpoints)."""
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         leaves = self.meta(step)["leaves"]
         arrays = self._read(step, {n: jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]), sharding=device)
                                    for n, d in leaves.items()})
@@ -268,8 +270,13 @@ class Checkpointer:
         """Moves checkpoints newer than `step` into `DIR/superseded/` (a run resumed from `step` would write those
         steps again); returns their steps."""
         newer = [s for s in self.steps() if s > step]
+        several = jax.process_count() > 1
+        if newer and several:  # every process has listed the folder before process 0 changes it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxpar: checkpoints listed")
         try:
-            if newer:
+            if newer and jax.process_index() == 0:
                 os.makedirs(os.path.join(self.directory, SUPERSEDED), exist_ok=True)
                 for s in newer:
                     target = os.path.join(self.directory, SUPERSEDED, str(s))
@@ -280,6 +287,9 @@ class Checkpointer:
         except OSError as error:
             raise CheckpointError(self.directory, f"cannot move the checkpoints newer than step {step} aside "
                                                   f"({error.strerror}); move or delete them yourself") from None
+        if newer and several:  # the others wait until process 0 has moved them
+            multihost_utils.sync_global_devices("jaxpar: checkpoints set aside")
+            self._manager.reload()
         return newer
 
     def _read(self, step: int, abstract: dict) -> dict:

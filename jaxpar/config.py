@@ -38,9 +38,10 @@ from jaxpar.strategies.sync import check_allreduce
 MODELS = ("transformer", "mlp", "cnn")
 PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
 OPTIMIZERS = ("adamw", "sgd", "momentum")
-GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run", "checkpoints and faults")
+GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run", "checkpoints and faults",
+          "processes")
 # What a resumed run may change: the rest of the config must equal the checkpoint's (see `resume_differences`).
-RESUME_MAY_CHANGE_GROUPS = ("mesh", "strategy", "run", "checkpoints and faults")
+RESUME_MAY_CHANGE_GROUPS = ("mesh", "strategy", "run", "checkpoints and faults", "processes")
 
 # Read from the strategies, never written here: names, and for each strategy-specific field the strategies it
 # applies to (a field given for another strategy is an error).
@@ -360,6 +361,17 @@ class Config:
     check_every: int = field(default=100, metadata=option(
         "compare every device's copy of the replicated parameters (a fingerprint) at the start and every N steps; "
         "0: never", group="checkpoints and faults", check=at_least(0)))
+    # --- several processes (jaxpar.distributed); python -m jaxpar.launch sets them through the environment ---
+    coordinator: str | None = field(default=None, metadata=option(
+        "HOST:PORT of process 0 (the same on every process) for a run over several processes / hosts; with "
+        "--num-processes and --process-id", group="processes", default_text="one process, or from the environment "
+        "(jaxpar.launch, SLURM)", check=within(lambda v: isinstance(v, str) and v.count(":") >= 1 and
+                                               v.rsplit(":", 1)[1].isdigit(), "must be HOST:PORT, e.g. 10.0.0.1:1234")))
+    num_processes: int | None = field(default=None, metadata=option(
+        "processes in the run (each with mesh size / N devices)", group="processes", check=at_least(1)))
+    process_id: int | None = field(default=None, metadata=option(
+        "this process's rank, 0 .. N-1 (process 0 prints, logs and writes the metrics)", group="processes",
+        check=at_least(0)))
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

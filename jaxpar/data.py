@@ -24,7 +24,6 @@ import sysconfig
 from collections.abc import Callable, Iterator
 
 import grain
-import jax
 import numpy as np
 
 from jaxpar.errors import DataError
@@ -205,13 +204,15 @@ class Batches(Iterator):
     """Endless global batches (this process's rows of them) from a source, in a seeded order.
 
     `batch_size` is an int or a function step -> int (a batch-size ramp). Every epoch is a fresh permutation; a batch
-    may straddle two epochs, so no example is dropped or repeated within an epoch.
+    may straddle two epochs, so no example is dropped or repeated within an epoch. `rows`: global batch size ->
+    the row positions this process loads (`Trainer.local_rows`); None loads every row (one process).
     """
 
     def __init__(self, source, batch_size: int | Callable[[int], int], seed: int, name: str = "dataset",
-                 shuffle: bool = True, largest_batch: int | None = None):
+                 shuffle: bool = True, largest_batch: int | None = None,
+                 rows: Callable[[int], np.ndarray] | None = None):
         source = ArraySource(source) if isinstance(source, dict) else source
-        self.source, self.name = source, name
+        self.source, self.name, self.rows = source, name, rows
         self._size_at = batch_size if callable(batch_size) else (lambda step: batch_size)
         largest = largest_batch or self._size_at(0)
         if len(source) < largest:
@@ -229,8 +230,8 @@ class Batches(Iterator):
 
     def __next__(self) -> dict[str, np.ndarray]:
         size = self._size_at(self.step)
-        low, high = process_rows(size)
-        indices = np.fromiter((self._order[self.position + k] for k in range(low, high)), np.int64, high - low)
+        positions = range(size) if self.rows is None else self.rows(size)
+        indices = np.fromiter((self._order[self.position + int(k)] for k in positions), np.int64, len(positions))
         self.position += size
         self.step += 1
         return self.source[indices]
@@ -247,15 +248,6 @@ def text_batches(tokens: np.ndarray, global_batch, seq_len: int, seed: int, name
         raise DataError(f"{name} has {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}; "
                         f"use --seq-len {max(len(tokens) - 1, 1)} or less, or more text")
     return Batches(TextWindows(tokens, seq_len), global_batch, seed, name, largest_batch=largest_batch)
-
-
-def process_rows(global_size: int) -> tuple[int, int]:
-    """This process's contiguous rows of a global batch (data-axis devices are ordered by process)."""
-    count, index = jax.process_count(), jax.process_index()
-    if global_size % count:
-        raise DataError(f"global batch {global_size} does not divide over {count} processes")
-    per_process = global_size // count
-    return index * per_process, (index + 1) * per_process
 
 
 class prefetch_to_device(Iterator):

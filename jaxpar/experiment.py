@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 import models
-from jaxpar import actions, data
+from jaxpar import actions, data, distributed
 from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
 from jaxpar.errors import CheckpointError, ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
@@ -180,14 +180,36 @@ def _as_flag_error(error: ShardingError, config: Config) -> JaxparError:
                        f"use a multiple of {ways} for {shown}, or a {axis} axis that divides {size} (e.g. {fits})")
 
 
+def join_processes(config: Config) -> bool:
+    """Starts JAX's distributed runtime when the config or the environment asks for several processes (see
+    `jaxpar.distributed`); each process then creates mesh size / processes CPU devices. True if several."""
+    shape = mesh_lib.parse_mesh_spec(config.mesh)
+    given = (config.coordinator, config.num_processes, config.process_id)
+    count = config.num_processes or distributed.settings_from_environment().get("num_processes")
+    local = None
+    if count and count > 1 and -1 not in shape:
+        if math.prod(shape) % count:
+            raise ConfigError(f"--mesh {config.mesh} has {math.prod(shape)} devices, which do not divide over "
+                              f"--num-processes {count}; use a mesh whose size is a multiple of {count}")
+        local = math.prod(shape) // count
+    if any(value is not None for value in given):
+        return distributed.initialize(*given, local_devices=local)
+    return distributed.initialize(local_devices=local)
+
+
 def train(config: Config) -> dict:
-    """Trains `config.model` and returns a summary (final training metrics, held-out metrics, throughput)."""
+    """Trains `config.model` and returns a summary (final training metrics, held-out metrics, throughput).
+
+    With several processes (see `join_processes`) every process calls this; only process 0 prints and writes the
+    metrics file, and every process returns the same summary."""
     config = config.validate().resolved()
+    if join_processes(config) and not distributed.is_main():
+        logging.getLogger("jaxpar").setLevel(logging.ERROR)  # process 0 reports the notes
     for line in run_notes(config):
         logging.getLogger("jaxpar").warning(line)
     # opened (and probed: a byte written and fsync'd) before any work, so an unwritable path fails in a second;
     # renamed onto --metrics only once training has started (see jaxpar.metrics)
-    jsonl = JsonlFile(config.metrics) if config.metrics else None
+    jsonl = JsonlFile(config.metrics) if config.metrics and distributed.is_main() else None
     try:
         return _train(config, jsonl)
     finally:
@@ -205,6 +227,12 @@ def _train(config: Config, jsonl) -> dict:
     train_batches, held_out = datasets(config, size_at, largest)
     strategy = strategy_from_config(strategy_config(config))
     mesh = mesh_lib.make_mesh(config.mesh)
+    crossing = mesh_lib.crossing_axes(mesh)
+    if mesh_lib.TENSOR_AXIS in crossing:
+        logging.getLogger("jaxpar").warning(
+            f"--mesh {config.mesh}: the {mesh_lib.TENSOR_AXIS} axis spans processes (each has "
+            f"{len(mesh.local_devices)} devices): its per-layer collectives cross hosts; a {mesh_lib.TENSOR_AXIS} axis "
+            f"of at most {len(mesh.local_devices)} stays inside one")
     ways, replicas = mesh_lib.batch_ways(mesh), mesh_lib.replica_count(mesh)
     batch_sizes(config, ways, replicas)
     if config.eval_batches and len(held_out) < ways:
@@ -225,6 +253,7 @@ def _train(config: Config, jsonl) -> dict:
                           skip_nonfinite=config.on_nonfinite == "skip")
     except ShardingError as error:
         raise _as_flag_error(error, config) from None
+    train_batches.rows = trainer.local_rows  # each process loads only its rows of every global batch
     checkpoints = None
     if config.checkpoint_dir:
         from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
@@ -244,7 +273,7 @@ def _train(config: Config, jsonl) -> dict:
         except BaseException:
             if checkpoints is not None:
                 checkpoints.close(quiet=True)  # durable if it can be; the error on its way out is the one to report
-                if created and not os.listdir(checkpoints.directory):
+                if created and distributed.is_main() and not os.listdir(checkpoints.directory):
                     os.rmdir(checkpoints.directory)  # a run that saved nothing leaves no folder behind
             raise
         if checkpoints is not None:
@@ -271,18 +300,22 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
         why = " (each replica computes on its own slice under this strategy)" if strategy.local_statistics else ""
         bn = f"; BatchNorm {'local' if local_bn else 'sync'}{why}"
     per_replica = f"{size_at(0) // replicas} per replica" + (" at first" if config.batch_ramp else "")
-    print(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh {mesh_lib.shape_line(mesh)} "
-          f"({mesh.size} {mesh.devices.flat[0].platform} devices); global batch "
+    say = print if distributed.is_main() else (lambda *args, **kwargs: None)  # process 0 reports
+    count = jax.process_count()
+    processes = f" in {count} processes, {len(mesh.local_devices)} each" if count > 1 else ""
+    say(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh {mesh_lib.shape_line(mesh)} "
+          f"({mesh.size} {mesh.devices.flat[0].platform} devices{processes}); global batch "
           f"{config.batch_ramp or config.batch_size} ({per_replica}); strategy {config.strategy}{bn}; "
           f"{config.steps} steps" + (f", resumed at step {start}" if start else ""), flush=True)
     if config.strategy in ("ssp", "asp") and not config.stragglers:
-        print(f"jaxpar: note: --strategy {config.strategy} without --stragglers: every replica is equally fast, so "
+        say(f"jaxpar: note: --strategy {config.strategy} without --stragglers: every replica is equally fast, so "
               f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
               f"staleness)", flush=True)
 
     host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
     # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
-    logger = RunLogger(config.steps, size_at, config.log_every, jsonl,
+    logger = RunLogger(config.steps, size_at, config.log_every, jsonl, stream=None if distributed.is_main() else
+                       open(os.devnull, "w"),
                        quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
@@ -296,7 +329,7 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
 
     def on_eval(step, results):
         logger.write({"step": step, **{"eval_" + k: v for k, v in results.items()}})
-        print(f"held-out at step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
+        say(f"held-out at step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in results.items()), flush=True)
 
     evaluation = actions.Evaluate(lambda tr, st: evaluate(tr, st, held_out, largest, config),
                                   every=config.eval_every, on_result=on_eval, at_end=bool(config.eval_batches))
@@ -316,8 +349,8 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
         saving = actions.Checkpoint(checkpoints, config.checkpoint_every,
                                     extra=lambda: {"batches": batches.get_state(), "config": record,
                                                   "guard": guard.get_state()})
-        loop += [saving, actions.StopWhen(stop.is_set, saving)]
-    if start and config.metrics:  # one continuous file: the earlier run's records up to the resumed step
+        loop += [saving, actions.StopWhen(stop.at, saving)]
+    if start and jsonl is not None:  # one continuous file: the earlier run's records up to the resumed step
         for record in records_before(config.metrics, start):
             logger.write(record)
     logger.write({**config.to_record(), **({"resumed_from": start} if start else {})})
@@ -356,7 +389,7 @@ def evaluate(trainer: Trainer, state, source, batch_size: int, config: Config) -
         batch_size, count = len(source) // ways * ways, 1
     else:
         count = min(config.eval_batches, len(source) // batch_size)
-    batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False)
+    batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False, rows=trainer.local_rows)
     totals: dict[str, float] = {}
     for _ in range(count):
         for k, v in jax.device_get(trainer.evaluate(state, next(batches))).items():

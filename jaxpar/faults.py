@@ -110,7 +110,9 @@ class ReplicaCheck:
 
     def fingerprints(self, params) -> np.ndarray:
         """[*mesh.shape, parameters]: each device's fingerprint of its copy of each parameter block."""
-        return np.asarray(jax.device_get(self._fn(*jax.tree.leaves(params))))
+        from jaxpar.distributed import to_host
+
+        return np.asarray(to_host(self._fn(*jax.tree.leaves(params))))
 
     def mismatches(self, params) -> list[str]:
         prints = self.fingerprints(params)

@@ -31,7 +31,7 @@ class DeviceError(JaxparError):
 
 def device_memory(mesh) -> int:
     """Bytes one device may use: its reported limit, or on CPU the machine's memory shared by its devices."""
-    device = mesh.devices.flat[0]
+    device = mesh.local_devices[0] if mesh.local_devices else mesh.devices.flat[0]  # this process's
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
@@ -80,8 +80,16 @@ def device_error(error: Exception, step: int) -> DeviceError:
     first = lines[0]
     if "Traceback" in first:  # a failing host callback: its status, then the Python exception (the last line)
         first = f"{first.split(':')[0]}: {lines[-1]}"
-    return DeviceError(f"step {step + 1} failed on the device: {first[:300]}; its train state is lost (restart from "
-                       f"a checkpoint or a fresh state)", step)
+    lost = ""
+    if jax.process_count() > 1:  # a collective failed: usually because another process died
+        from jaxpar.distributed import lost_processes
+
+        gone = lost_processes()
+        if gone:
+            lost = (f"process{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} of {jax.process_count()} "
+                    f"{'are' if len(gone) > 1 else 'is'} lost (stopped responding); ")
+    return DeviceError(f"{lost}step {step + 1} failed on the device: {first[:300]}; its train state is lost "
+                       f"(restart from a checkpoint{' with --resume' if lost else ''} or a fresh state)", step)
 
 
 def wait_ready(tree, step: int) -> None:

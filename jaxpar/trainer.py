@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxpar import mesh as mesh_lib
 from jaxpar import sharding as shd
 from jaxpar.actions import Action, OnStep, StepEvent
+from jaxpar.distributed import to_host
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
 from jaxpar.faults import flag_if_not_finite, keep_if_finite
 from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, wait_ready
@@ -118,6 +119,11 @@ class Trainer:
         self.neutral_shardings = base
         self.state_shardings = self.strategy.shardings(self._ctx, base)
         self.batch_sharding = shd.batch_sharding(mesh)
+        # this process's share of a global batch: its distinct row blocks of the `ways` the batch is split into
+        # (all of them in one process; with several, the blocks its devices hold)
+        ways = mesh_lib.batch_ways(mesh)
+        self._local_blocks = len({index[0].start or 0 for index in
+                                  self.batch_sharding.addressable_devices_indices_map((ways,)).values()})
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
         self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
         self._state_bytes: int | None = None
@@ -233,6 +239,22 @@ class Trainer:
                                 f"use a smaller model, or split parameters and optimizer state over more devices "
                                 f"(a larger fsdp or model axis)")
 
+    def local_rows(self, global_size: int) -> np.ndarray:
+        """The rows of a global batch of `global_size` rows that this process loads (all rows in one process),
+        in increasing order: from the batch sharding's addressable indices, so any device order is right."""
+        ways = self.batch_divisor
+        if global_size % ways:
+            raise DataError(f"global batch size {global_size} does not divide by the batch axes "
+                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways}")
+        blocks = self.batch_sharding.addressable_devices_indices_map((global_size,)).values()
+        starts = sorted({index[0].start or 0 for index in blocks})
+        per_block = global_size // ways
+        return np.concatenate([np.arange(start, start + per_block) for start in starts])
+
+    def global_rows(self, local_size: int) -> int:
+        """The global batch size of which `local_size` rows are this process's share."""
+        return local_size * self.batch_divisor // self._local_blocks
+
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         """Places a global batch on the mesh, examples split over the batch axes (a no-op for placed arrays)."""
         batch, _ = self._checked_batch(batch)
@@ -259,6 +281,13 @@ class Trainer:
             raise DataError(f"batch arrays must share a leading example dimension; got leading sizes {sizes}")
         size = next(iter(sizes.values()))
         ways = self.batch_divisor
+        if any(not isinstance(v, jax.Array) for v in arrays.values()) and self._local_blocks != ways:
+            # several processes: host arrays are this process's rows (`local_rows`) of the global batch
+            if size % self._local_blocks:
+                raise DataError(f"process {jax.process_index()} was given {size} rows, which do not divide over "
+                                f"its {self._local_blocks} blocks of the global batch; give each process "
+                                f"trainer.local_rows(global batch size) of every global batch")
+            size = self.global_rows(size)
         if size == 0:
             raise DataError(f"batch has 0 rows; a global batch needs a positive multiple of {ways} rows "
                             f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices)")
@@ -283,10 +312,12 @@ class Trainer:
                              "the state it returned (state, metrics = trainer.step(state, batch))")
 
     def _place(self, rows):
-        if jax.process_count() == 1:
+        if self._local_blocks == self.batch_divisor:  # this process holds every row block
             return jax.device_put(rows, self.batch_sharding)
-        # several processes: each holds only its rows of the global batch (see jaxpar.data.process_rows)
-        return jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))
+        # several processes: each holds only its rows of the global batch (`local_rows`)
+        rows = np.asarray(rows)
+        return jax.make_array_from_process_local_data(
+            self.batch_sharding, rows, (self.global_rows(len(rows)),) + rows.shape[1:])
 
     def step(self, state: TrainState, batch, step_number: int | None = None
              ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -339,7 +370,8 @@ class Trainer:
     def params(self, state: TrainState) -> dict:
         """The full parameters, gathered from all shards, as a nested dict of numpy arrays."""
         self._check_state(state)
-        return jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(state.params)))
+        # with several processes every process takes part: the shards other processes hold are gathered
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(to_host(state.params)))
 
     def fit(self, state: TrainState, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),
             on_step: Callable[[int, dict[str, float]], None] | None = None) -> TrainState:

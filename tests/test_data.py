@@ -76,8 +76,13 @@ def test_synthetic_source_for_benchmarks():
     assert data.SyntheticSource("tokens", size=16, seq_len=32)[np.arange(2)]["tokens"].shape == (2, 33)
 
 
-def test_process_rows_single_process_is_the_whole_batch():
-    assert data.process_rows(64) == (0, 64)
+def test_batches_load_only_the_rows_a_process_holds():
+    full = data.Batches(source(100), 8, seed=3)
+    part = data.Batches(source(100), 8, seed=3, rows=lambda size: np.array([2, 3, 6, 7]))
+    for _ in range(3):
+        whole, mine = next(full), next(part)
+        np.testing.assert_array_equal(mine["x"], whole["x"][[2, 3, 6, 7]])
+    assert part.get_state() == full.get_state() == {"position": 24, "step": 3}
 
 
 def test_data_errors(tmp_path):
