@@ -262,3 +262,54 @@ def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process
     assert steps and steps[-1] >= 5
     assert run.main(["--model", "mlp", "--mesh", "2x4", "--steps", str(steps[-1] + 2), "--eval-batches", "0",
                      "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "required"]) == 0
+
+
+def test_sigterm_to_the_launcher_saves_one_agreed_checkpoint_and_exits_0(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
+                                "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",
+                                "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000",
+                                "--metrics", str(tmp_path / "run.jsonl")],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_SECONDS
+        for line in process.stdout:
+            if line.startswith("[0] step 3/") or time.monotonic() > deadline:
+                break
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err[-3000:]
+    assert "jaxpar.launch: SIGTERM: passing SIGTERM to every process" in err
+    stops = [line for line in err.splitlines() if "run.py: stopped at step" in line]
+    assert len(stops) == 2, err[-3000:]  # both processes, after the same step
+    step = int(stops[0].split("stopped at step ")[1].split(";")[0])
+    assert all(f"stopped at step {step};" in line for line in stops)
+    assert Checkpointer(str(tmp_path / "ck")).steps() == [step]
+    last = json.loads(open(tmp_path / "run.jsonl").read().splitlines()[-1])
+    assert last == {"stopped": f"preempted: checkpoint of step {step} saved"}
+
+
+def test_settings_come_from_the_launcher_or_the_cluster_environment(monkeypatch):
+    from jaxpar import distributed
+
+    assert distributed.settings_from_environment({}) == {}
+    assert distributed.settings_from_environment({"JAXPAR_COORDINATOR": "127.0.0.1:5", "JAXPAR_NUM_PROCESSES": "2",
+                                                  "JAXPAR_PROCESS_ID": "1", "JAXPAR_LOCAL_DEVICES": "4"}) == {
+        "coordinator": "127.0.0.1:5", "num_processes": 2, "process_id": 1, "local_devices": 4}
+    with pytest.raises(jaxpar.ConfigError, match="JAXPAR_PROCESS_ID='x': must be an integer"):
+        distributed.settings_from_environment({"JAXPAR_COORDINATOR": "h:1", "JAXPAR_PROCESS_ID": "x"})
+    for name in ("SLURM_NTASKS", "SLURM_STEP_ID", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert distributed.cluster_detected() is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.cluster_detected() is None  # an allocation, not a job step: one process
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert distributed.cluster_detected() == "SLURM"
+    # in this (already started) single process nothing is joined without settings
+    monkeypatch.delenv("SLURM_NTASKS")
+    assert distributed.initialize() is False
+    assert distributed.process_index() == 0 and distributed.is_main() and distributed.lost_processes() == []

@@ -1,0 +1,206 @@
+"""Several processes: jaxpar's data-parallel step against PyTorch DistributedDataParallel, and 1 process x 8 devices
+against 2 processes x 4 devices on the default transformer.
+
+    pip install torch==2.13.0          # benchmark only (`pip install -e '.[bench]'`); never a jaxpar dependency
+    python benchmarks/distributed.py ddp --rounds 5 --steps 30
+    python benchmarks/distributed.py processes --rounds 2 --steps 40
+
+`ddp`: 2 processes x 1 CPU device, each process both a JAX process (jax.distributed, gloo) and a torch process
+(torch.distributed, gloo). The same model (256-1024-10, GELU), global batch 512 (256 rows per process), AdamW
+(lr 1e-3), cross-entropy. Rounds alternate in the same two processes (jaxpar, torch, jaxpar, ...), so machine noise
+hits both alike; each round is --steps steps timed to the end of its last update. Both use one compute thread per
+process (XLA: no Eigen multithreading; torch.set_num_threads(1)): 2 processes on 2 cores. Prints the median
+samples/s of each and their ratio, and one JSON line.
+
+`processes`: `python run.py --mesh 2x4` (1 process, 8 devices) against `python -m jaxpar.launch --nproc 2 -- run.py
+--mesh 2x4` (2 processes x 4 devices), alternating, each --steps steps of the default transformer; samples/s is the
+mean of the JSONL records after the first 10 steps (compilation left out).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+GLOBAL_BATCH, IN, HIDDEN, OUT = 512, 256, 1024, 10
+
+
+def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, out: str) -> None:
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    import jaxpar
+
+    jaxpar.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
+    import jax
+    import numpy as np
+    import optax
+    import torch
+    import torch.distributed as dist
+    from flax import nnx
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=2)
+
+    class MLP(nnx.Module):  # a user's own model: no sharding annotations (pure data parallelism)
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(IN, HIDDEN, rngs=rngs)
+            self.out = nnx.Linear(HIDDEN, OUT, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jax.nn.gelu(self.hidden(x), approximate=False))
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {}
+
+    trainer = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.adamw(1e-3), mesh=jaxpar.make_mesh("2"))
+    rng = np.random.default_rng(rank)
+    local = GLOBAL_BATCH // 2
+    batch = {"x": rng.standard_normal((local, IN), dtype=np.float32),
+             "y": rng.integers(0, OUT, local).astype(np.int32)}
+    assert list(trainer.local_rows(GLOBAL_BATCH)) == list(range(rank * local, (rank + 1) * local))
+    state = trainer.init(0)
+
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(),
+                                                        torch.nn.Linear(HIDDEN, OUT)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-4)  # optax.adamw's default decay
+    x, y = torch.from_numpy(batch["x"]), torch.from_numpy(batch["y"].astype(np.int64))
+
+    def jax_round(n):
+        nonlocal state
+        for _ in range(n):
+            state, metrics = trainer.step(state, batch)
+        return float(metrics["loss"])
+
+    def torch_round(n):
+        for _ in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return float(loss.detach())
+
+    # a hand-written jit step on the same mesh (what XLA + gloo give without jaxpar): replicated params and AdamW
+    # state, the batch split over the two processes; the compiler inserts the gradient all-reduce
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    tx = optax.adamw(1e-3)
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+    replicated, rows = NamedSharding(trainer.mesh, P()), NamedSharding(trainer.mesh, P(("data", "fsdp")))
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    @jax.jit
+    def hand_step(params, opt_state, batch):
+        def loss(p):
+            return loss_fn(nnx.merge(graphdef, p), batch)[0]
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    placed = {k: jax.make_array_from_process_local_data(rows, v, (GLOBAL_BATCH,) + v.shape[1:])
+              for k, v in batch.items()}
+
+    def hand_round(n):
+        nonlocal params, opt_state
+        for _ in range(n):
+            placed_now = {k: jax.make_array_from_process_local_data(rows, v, (GLOBAL_BATCH,) + v.shape[1:])
+                          for k, v in batch.items()}  # a new batch every step, as the others take one
+            params, opt_state, value = hand_step(params, opt_state, placed_now)
+        return float(value)
+
+    del placed
+    jax_round(3), torch_round(3), hand_round(3)  # compile / warm up
+    rates = {"jaxpar": [], "torch_ddp": [], "jax_jit": []}
+    for _ in range(rounds):
+        for name, fn in (("jaxpar", jax_round), ("torch_ddp", torch_round), ("jax_jit", hand_round)):
+            dist.barrier()
+            started = time.perf_counter()
+            fn(steps)
+            rates[name].append(steps * GLOBAL_BATCH / (time.perf_counter() - started))
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(rates, handle)
+    dist.destroy_process_group()
+
+
+def ddp(args) -> dict:
+    import socket
+
+    def port():
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+
+    jax_port, torch_port = port(), port()
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rates.json")
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        workers = [subprocess.Popen([sys.executable, __file__, "_ddp_worker", str(rank), str(jax_port),
+                                     str(torch_port), str(args.rounds), str(args.steps), out], env=env)
+                   for rank in range(2)]
+        codes = [w.wait(timeout=1800) for w in workers]
+        if any(codes):
+            sys.exit(f"a worker failed: exit codes {codes}")
+        rates = json.load(open(out))
+    result = {name: statistics.median(values) for name, values in rates.items()}
+    result["ratio_jaxpar_to_ddp"] = result["jaxpar"] / result["torch_ddp"]
+    result["ratio_jaxpar_to_jax_jit"] = result["jaxpar"] / result["jax_jit"]
+    result["rounds"] = rates
+    print(f"2 processes x 1 CPU device, MLP {IN}-{HIDDEN}-{OUT} GELU, global batch {GLOBAL_BATCH}, AdamW: "
+          f"jaxpar {result['jaxpar']:.0f} samples/s, torch DDP {result['torch_ddp']:.0f}, hand-written jax.jit "
+          f"{result['jax_jit']:.0f}; jaxpar / DDP {result['ratio_jaxpar_to_ddp']:.3f}, jaxpar / jit "
+          f"{result['ratio_jaxpar_to_jax_jit']:.3f} (median of {args.rounds} alternating rounds of {args.steps} "
+          f"steps)")
+    return result
+
+
+def processes(args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    rates = {"1 process x 8 devices": [], "2 processes x 4 devices": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_index in range(args.rounds):
+            for name in rates:
+                path = os.path.join(folder, f"{round_index}-{len(rates[name])}-{name[0]}.jsonl")
+                command = ["run.py", "--mesh", "2x4", "--steps", str(args.steps), "--log-every", "1",
+                           "--eval-batches", "0", "--metrics", path]
+                if name.startswith("2"):
+                    command = ["-m", "jaxpar.launch", "--nproc", "2", "--", *command]
+                subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True, capture_output=True,
+                               timeout=1800)
+                records = [json.loads(line) for line in open(path)]
+                per_step = [r["samples_per_sec"] for r in records if r.get("step", 0) > 10 and "loss" in r]
+                rates[name].append(statistics.mean(per_step))
+    result = {name: statistics.median(values) for name, values in rates.items()}
+    one, two = result.values()
+    result["ratio_2_processes_to_1"] = two / one
+    result["rounds"] = rates
+    print(f"default transformer, --mesh 2x4, {args.steps} steps: 1 process x 8 devices {one:.1f} samples/s, "
+          f"2 processes x 4 devices {two:.1f} samples/s, ratio {two / one:.3f}")
+    return result
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "_ddp_worker":
+        rank, port, torch_port, rounds, steps = map(int, sys.argv[2:7])
+        ddp_worker(rank, port, torch_port, rounds, steps, sys.argv[7])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=("ddp", "processes"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    result = ddp(args) if args.which == "ddp" else processes(args)
+    print(json.dumps({"benchmark": f"distributed {args.which}", **result}))
+
+
+if __name__ == "__main__":
+    main()
