@@ -188,11 +188,12 @@ class CheckReplicas(Action):
 
 class StopWhen(Action):
     """When `requested(step)` turns true (asked once after every step; e.g. `StopRequest.at`): saves a checkpoint of
-    that step through `checkpoint` (a `Checkpoint` action) and raises `Preempted(step)`."""
+    that step through `checkpoint` (a `Checkpoint` action) and raises `Preempted(step)`; with `checkpoint` None it
+    raises `Terminated` (the run ends as on SIGTERM)."""
 
     needs_state = True
 
-    def __init__(self, requested: Callable[[int], bool], checkpoint: Checkpoint):
+    def __init__(self, requested: Callable[[int], bool], checkpoint: Checkpoint | None):
         self.requested, self.checkpoint = requested, checkpoint
         self._asked: tuple[int, bool] | None = None
 
@@ -204,7 +205,9 @@ class StopWhen(Action):
         return self._asked[1]
 
     def __call__(self, event):
-        from jaxpar.errors import Preempted
+        from jaxpar.errors import Preempted, Terminated
 
+        if self.checkpoint is None:
+            raise Terminated()
         self.checkpoint(event)
         raise Preempted(event.step)

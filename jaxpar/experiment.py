@@ -266,7 +266,10 @@ def _train(config: Config, jsonl) -> dict:
                                                          f"{', '.join(map(str, existing))}); pass {{resume}} to "
                                                          f"continue it, or use an empty folder")
     # SIGTERM / Ctrl-C from here to the end of the last save: save a checkpoint and stop (see jaxpar.preemption)
-    with StopRequest() if checkpoints is not None else contextlib.nullcontext() as stop:
+    # (several processes: always, since SIGTERM belongs to JAX's preemption notifier there and must stop every process
+    # after the same step, with or without a checkpoint)
+    agreed = checkpoints is not None or jax.process_count() > 1
+    with StopRequest() if agreed else contextlib.nullcontext() as stop:
         try:
             summary = _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest,
                            schedule)
@@ -350,6 +353,8 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
                                     extra=lambda: {"batches": batches.get_state(), "config": record,
                                                   "guard": guard.get_state()})
         loop += [saving, actions.StopWhen(stop.at, saving)]
+    elif stop is not None:  # several processes without checkpoints: a SIGTERM ends every process after one step
+        loop.append(actions.StopWhen(stop.at, None))
     if start and jsonl is not None:  # one continuous file: the earlier run's records up to the resumed step
         for record in records_before(config.metrics, start):
             logger.write(record)

@@ -33,6 +33,7 @@ import time
 # several threads at once, so its pieces arrive interleaved across lines
 NOISE = re.compile(r"\[Gloo\]\s*|Rank\s+\d*\s*|\d*\s*is connected to\s*\d*\s*|\d*\s*peer ranks\.\s*|"
                    r"Expected number of connected peer ranks is\s*:\s*\d*")
+STOPPED_CODES = (130, 143)  # run.py's exit codes after Ctrl-C / SIGTERM without a checkpoint
 DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
 
@@ -131,7 +132,7 @@ class Launcher:
             codes = [p.poll() for p in self.processes]
             if failed is None:
                 for rank, code in enumerate(codes):
-                    if code not in (None, 0):
+                    if code not in (None, 0) and not (self._signals and code in STOPPED_CODES):
                         failed = (rank, code)
                         if any(c is None for c in codes):
                             self._say(f"process {rank} {_describe(code)}; stopping the other processes")
@@ -148,7 +149,10 @@ class Launcher:
         for relay in self._relays:
             relay.join(timeout=5)
         if failed is None:
-            return 0
+            stopped = [c for c in codes if c]
+            if stopped:  # stopped on request without a checkpoint (SIGTERM / Ctrl-C)
+                self._say(f"stopped on request: exit codes {codes}")
+            return stopped[0] if stopped else 0
         rank, code = failed
         self._say(f"failed: process {rank} of {self.nproc} {_describe(code)}")
         return code if code > 0 else 128 - code

@@ -18,8 +18,7 @@ from tests.test_distributed import _flat  # noqa: E402
 import numpy as np  # noqa: E402
 
 folder, step, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-config = Config(model="transformer", layers=1, d_model=32, heads=4, d_ff=64, seq_len=16, dropout=0.1,
-                strategy="local_sgd", sync_period=3).resolved()
+config = Config(model="mlp").resolved()  # run.py's MLP (its checkpoint was written by run.py)
 trainer = jaxpar.Trainer(model=models.factory(config), loss_fn=models.loss_for(config), optimizer=optax.adamw(0.01),
                          mesh=jaxpar.make_mesh("2x4"), strategy=jaxpar.LocalSGD(period=3))
 checkpoints = Checkpointer(folder)

@@ -170,13 +170,15 @@ def test_two_processes_2x4_equal_one_process_then_resume_in_one(reference, tmp_p
     capsys.readouterr()
 
 
-def _tiny_trainer_parts():
+def _tiny_trainer_parts(model="transformer"):
+    """Model, loss and optimizer of the runs above (`TINY`, or run.py's MLP), for restoring their checkpoints."""
     import optax
 
     import models
     from jaxpar.config import Config
 
-    config = Config(model="transformer", layers=1, d_model=32, heads=4, d_ff=64, seq_len=16, dropout=0.1).resolved()
+    config = (Config(model="transformer", layers=1, d_model=32, heads=4, d_ff=64, seq_len=16, dropout=0.1)
+              if model == "transformer" else Config(model="mlp")).resolved()
     return dict(model=models.factory(config), loss_fn=models.loss_for(config), optimizer=optax.adamw(0.01))
 
 
@@ -197,9 +199,10 @@ def test_two_processes_fsdp_and_tensor_parallel_equal_one_process(reference, tmp
 
 
 def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
-    local = ["--strategy", "local_sgd", "--sync-period", "3", "--mesh", "2x4"]
+    local = ["--model", "mlp", "--log-every", "1", "--eval-batches", "0", "--lr", "0.01", "--strategy",
+             "local_sgd", "--sync-period", "3", "--mesh", "2x4"]
     ck = tmp_path / "ck"
-    assert run.main([*TINY, *local, "--steps", "20", "--metrics", str(tmp_path / "one.jsonl"), "--checkpoint-dir",
+    assert run.main([*local, "--steps", "20", "--metrics", str(tmp_path / "one.jsonl"), "--checkpoint-dir",
                      str(ck), "--checkpoint-every", "10"]) == 0
     expected = losses(tmp_path / "one.jsonl")
     # written by 1 process, restored by 2 through the library (a script of the user's under the launcher):
@@ -210,7 +213,8 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
                                str(tmp_path / "params.npz")], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=LAUNCH_SECONDS)
     assert restored.returncode == 0, restored.stderr[-3000:]
-    trainer = jaxpar.Trainer(**_tiny_trainer_parts(), mesh=jaxpar.make_mesh("2x4"), strategy=jaxpar.LocalSGD(period=3))
+    trainer = jaxpar.Trainer(**_tiny_trainer_parts("mlp"), mesh=jaxpar.make_mesh("2x4"),
+                             strategy=jaxpar.LocalSGD(period=3))
     checkpoints = Checkpointer(str(ck))
     expected_params = _flat(trainer.params(checkpoints.restore(trainer, 10)[0]))  # the replicas' mean
     checkpoints.close()
@@ -218,7 +222,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
     assert sorted(got) == sorted(expected_params)
     assert all(np.array_equal(got[name], expected_params[name]) for name in got)
     # the checkpoint of step 10 continued by 2 processes (step 20 is set aside and made again)
-    code, out, err = launched(2, [*TINY, *local, "--steps", "20", "--metrics", str(tmp_path / "two.jsonl"),
+    code, out, err = launched(2, [*local, "--steps", "20", "--metrics", str(tmp_path / "two.jsonl"),
                                   "--checkpoint-dir", str(ck), "--resume", "--resume-step", "10"])
     assert code == 0, err[-3000:]
     got = losses(tmp_path / "two.jsonl")
@@ -264,12 +268,13 @@ def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process
                      "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "required"]) == 0
 
 
-def test_sigterm_to_the_launcher_saves_one_agreed_checkpoint_and_exits_0(tmp_path):
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoint", "no-checkpoint"])
+def test_sigterm_to_the_launcher_stops_every_process_after_one_agreed_step(checkpoints, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    saving = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000"] if checkpoints else []
     process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
                                 "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",
-                                "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000",
-                                "--metrics", str(tmp_path / "run.jsonl")],
+                                "0", *saving, "--metrics", str(tmp_path / "run.jsonl")],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
@@ -282,8 +287,14 @@ def test_sigterm_to_the_launcher_saves_one_agreed_checkpoint_and_exits_0(tmp_pat
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, err[-3000:]
     assert "jaxpar.launch: SIGTERM: passing SIGTERM to every process" in err
+    if not checkpoints:  # both end as run.py does on SIGTERM: exit 143, the JSONL kept
+        assert process.returncode == 143, err[-3000:]
+        assert err.count("run.py: terminated") == 2
+        assert "jaxpar.launch: stopped on request: exit codes [143, 143]" in err
+        assert json.loads(open(tmp_path / "run.jsonl").read().splitlines()[-1]) == {"stopped": "terminated"}
+        return
+    assert process.returncode == 0, err[-3000:]
     stops = [line for line in err.splitlines() if "run.py: stopped at step" in line]
     assert len(stops) == 2, err[-3000:]  # both processes, after the same step
     step = int(stops[0].split("stopped at step ")[1].split(";")[0])
