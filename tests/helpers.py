@@ -1,5 +1,8 @@
 """Small models, losses and batches shared by the tests."""
 
+import os
+import re
+
 import numpy as np
 import optax
 
@@ -25,3 +28,15 @@ def trainer_for(model: str, mesh: str, optimizer=None, dropout: float = 0.0, **k
     config = TINY[model].replace(dropout=dropout)
     return jaxpar.Trainer(model=models.factory(config), loss_fn=models.LOSSES[model],
                           optimizer=optimizer or optax.sgd(0.1), mesh=jaxpar.make_mesh(mesh), **kw)
+
+
+def child_env(**extra) -> dict:
+    """The environment for a process a test starts: this one's, without the CPU device count (run.py and the
+    launcher create the devices they need) but with the other XLA flags (see conftest.py)."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = flags
+    env.update(extra)
+    return env

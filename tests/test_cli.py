@@ -6,12 +6,13 @@ import sys
 import pytest
 
 import run
+from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(*args, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # run.py must provide the CPU devices itself
+    env = child_env()  # run.py must provide the CPU devices itself
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "run.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)

@@ -24,6 +24,7 @@ from jaxpar.experiment import batch_sizes, run_notes, strategy_config
 from jaxpar.metrics import JsonlFile, RunLogger
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies.simulator import bsp_clock, bsp_times, parse_stragglers
+from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = ["--model", "mlp", "--mesh", "8"]
@@ -279,7 +280,7 @@ def test_binary_data_trains_on_raw_bytes_with_a_note(tmp_path):
 # --- 10. SIGTERM -------------------------------------------------------------------------------------------------
 def test_sigterm_ends_the_run_like_ctrl_c_and_keeps_the_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     process = subprocess.Popen([sys.executable, "run.py", *MLP, "--steps", "100000", "--log-every", "1",
                                 "--metrics", str(metrics)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)

@@ -18,6 +18,7 @@ import run
 from jaxpar import launch
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.mesh import MeshError, crossing_axes, device_grid, parse_mesh_spec
+from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "transformer", "--layers", "1", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--seq-len",
@@ -118,7 +119,7 @@ def test_process_flag_errors(args, message, capsys):
 # --- real processes ----------------------------------------------------------------------------------------------
 def launched(nproc, args, timeout=LAUNCH_SECONDS):
     """`python -m jaxpar.launch --nproc N -- run.py ARGS`, waited for; (exit code, stdout, stderr)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     process = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--nproc", str(nproc), "--", "run.py", *args],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return process.returncode, process.stdout, process.stderr
@@ -204,7 +205,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
     expected = losses(tmp_path / "one.jsonl")
     # written by 1 process, restored by 2 through the library (a script of the user's under the launcher):
     # exactly the saved parameters (process 0 gathers them from both processes' shards)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     restored = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--devices-per-process", "4",
                                "--", os.path.join(ROOT, "tests", "distributed_restore.py"), str(ck), "10",
                                str(tmp_path / "params.npz")], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -227,7 +228,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
 
 
 def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
                                 "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",
                                 "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"],
@@ -266,7 +267,7 @@ def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process
 
 
 def test_sigterm_to_the_launcher_stops_every_process_after_one_agreed_step(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     saving = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000"]
     process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
                                 "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",

@@ -15,6 +15,7 @@ import pytest
 
 import run
 from jaxpar.checkpoint import MANIFEST, Checkpointer
+from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model", "mlp", "--mesh", "2x4", "--log-every", "1", "--eval-batches", "0", "--lr", "0.01"]
@@ -23,10 +24,6 @@ STEPS = 12
 
 def records(path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, open(path).read().splitlines()) if "step" in r and "loss" in r}
-
-
-def child_env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # run.py creates its own CPU devices
 
 
 def start(args) -> subprocess.Popen:
