@@ -319,7 +319,8 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
     logger = RunLogger(config.steps, size_at, config.log_every, jsonl, stream=None if distributed.is_main() else
                        open(os.devnull, "w"),
-                       quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start)
+                       quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start,
+                       tokens_per_example=config.seq_len if config.model == "transformer" else None)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):

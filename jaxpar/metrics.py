@@ -127,9 +127,19 @@ class JsonlFile:
 
 
 class RunLogger:
+    """Progress on the console and records in the JSONL file.
+
+    `progress`: "lines" prints one line per logged step; "bar" keeps a live progress bar (rich) at the bottom of
+    the terminal, updated every step (step, loss, samples/s or tokens/s, ETA from the steps after the first, which
+    includes compilation), with the logged lines printed above it; "auto" (default) is "bar" when the output is a
+    terminal and "lines" otherwise (CI, pipes, files). `tokens_per_example`: records `tokens_per_sec` too (an LM's
+    sequence length)."""
+
     def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
-                 stream: IO[str] | None = None, quiet=(), start_step: int = 0):
+                 stream: IO[str] | None = None, quiet=(), start_step: int = 0, progress: str = "auto",
+                 tokens_per_example: int | None = None):
         self.total_steps, self.log_every = total_steps, log_every
+        self.tokens_per_example = tokens_per_example
         self.start = start_step  # steps already done (a resumed run): its first step is start_step + 1
         self.quiet = set(quiet)  # metrics recorded in the JSONL but not printed
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
@@ -139,6 +149,12 @@ class RunLogger:
         self._start = self._last_time = time.perf_counter()
         self._last_step = start_step
         self._examples = 0.0  # examples applied since the last record
+        out = stream or sys.stdout
+        if progress == "auto":
+            progress = "bar" if getattr(out, "isatty", lambda: False)() else "lines"
+        if progress not in ("bar", "lines"):
+            raise ValueError(f"progress {progress!r}: choose auto, bar or lines")
+        self._bar = _Bar(total_steps, start_step, out) if progress == "bar" else None
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         """Call after every step; prints and records every `log_every` steps (and the first and last)."""
@@ -147,25 +163,37 @@ class RunLogger:
         self._compiled = metrics.pop("compiled", 0.0) > 0 or getattr(self, "_compiled", False)
         if step == self.start + 1:
             self._first_done = time.perf_counter()  # the ETA leaves out the first step: it includes compilation
+        if self._bar is not None:
+            self._bar.update(step, metrics.get("loss"), self._eta(step, time.perf_counter()))
         if step % self.log_every and step not in (self.start + 1, self.total_steps):
             return
         now = time.perf_counter()
         rate = self._examples / max(now - self._last_time, 1e-9)
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
+        if self.tokens_per_example:
+            record["tokens_per_sec"] = rate * self.tokens_per_example
         compiled, self._compiled = self._compiled, False
         if compiled:  # the window's time includes a compilation (the first step, a batch-ramp size, ...)
             record["includes_compilation"] = True
         self._last_step, self._last_time, self._examples = step, now, 0.0
         self.write(record)
-        first_done = getattr(self, "_first_done", None)
-        done = step - self.start - 1  # steps timed after the first (which includes compilation)
-        remaining = ((self.total_steps - step) * (now - first_done) / done
-                     if done > 0 and first_done is not None else math.nan)
+        remaining = self._eta(step, now)
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in self.quiet)
         eta = "" if math.isnan(remaining) else f"  eta {remaining:.0f}s"
         first = "  (includes compilation)" if compiled else ""
-        print(f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{eta}{first}", file=self.stream or sys.stdout,
-              flush=True)
+        tokens = f"  {record['tokens_per_sec']:.0f} tokens/s" if self.tokens_per_example else ""
+        line = f"step {step}/{self.total_steps}  {shown}  {rate:.0f} samples/s{tokens}{eta}{first}"
+        if self._bar is not None:
+            self._bar.line(line, rate * (self.tokens_per_example or 1), "tokens/s" if self.tokens_per_example
+                           else "samples/s")
+        else:
+            print(line, file=self.stream or sys.stdout, flush=True)
+
+    def _eta(self, step: int, now: float) -> float:
+        """Seconds left, projected from the steps after the first (which includes compilation); nan before."""
+        first_done = getattr(self, "_first_done", None)
+        done = step - self.start - 1
+        return (self.total_steps - step) * (now - first_done) / done if done > 0 and first_done is not None else math.nan
 
     def write(self, record: dict) -> None:
         """Appends one record to the JSONL file (if any); also used for evaluation results."""
@@ -174,6 +202,37 @@ class RunLogger:
 
     def close(self, commit: bool = True) -> None:
         """Saves the JSONL file onto its path (`commit=False`: drops it, leaving the path as it was)."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
         if self._file:
             file, self._file = self._file, None
             file.commit() if commit else file.discard()
+
+
+class _Bar:
+    """A rich progress bar on `out` (a terminal): step / total, the last loss, throughput and ETA."""
+
+    def __init__(self, total: int, start: int, out):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                                 console=Console(file=out), transient=False)
+        self.task = self.progress.add_task("train", total=total, completed=start, info="")
+        self.rate = ""
+        self.progress.start()
+
+    def update(self, step: int, loss, eta: float) -> None:
+        info = "" if loss is None else f"loss {loss:.4g}"
+        if self.rate:
+            info += f"  {self.rate}"
+        info += "  eta " + ("(after the first step)" if math.isnan(eta) else f"{eta:.0f}s")
+        self.progress.update(self.task, completed=step, info=info)
+
+    def line(self, text: str, rate: float, unit: str) -> None:
+        self.rate = f"{rate:.0f} {unit}"
+        self.progress.console.print(text, markup=False, highlight=False)
+
+    def stop(self) -> None:
+        self.progress.stop()

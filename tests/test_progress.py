@@ -1,0 +1,48 @@
+"""Progress on the console: a live rich bar on a terminal, plain lines elsewhere; tokens/s for language models."""
+
+import io
+import json
+
+import pytest
+
+from jaxpar.metrics import RunLogger
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def run_logger(stream, steps=5, **kw):
+    logger = RunLogger(steps, 8, 2, stream=stream, **kw)
+    for step in range(1, steps + 1):
+        logger.on_step(step, {"loss": 2.0 / step})
+    logger.close()
+    return stream.getvalue()
+
+
+def test_a_terminal_gets_a_bar_with_the_logged_lines_above_it():
+    text = run_logger(Terminal(), tokens_per_example=16)
+    assert "\x1b[" in text  # a live display (cursor control), not plain lines
+    assert "step 1/5  loss 2" in text and "step 4/5  loss 0.5" in text and "step 5/5  loss 0.4" in text
+    assert "step 3/5" not in text.replace("\x1b[32m", "")  # not a logged step: only the bar moved through it
+    assert "5/5" in text and "tokens/s" in text and "eta 0s" in text
+
+
+def test_pipes_and_files_get_plain_lines():
+    text = run_logger(io.StringIO())
+    assert "\x1b[" not in text
+    assert [line.split("  ")[0] for line in text.splitlines()] == ["step 1/5", "step 2/5", "step 4/5", "step 5/5"]
+    assert run_logger(Terminal(), progress="lines").count("\n") == 4  # asked for lines on a terminal
+
+
+def test_tokens_per_second_is_recorded_for_a_language_model(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = RunLogger(2, 8, 1, str(path), stream=io.StringIO(), tokens_per_example=128)
+    logger.on_step(1, {"loss": 1.0})
+    logger.on_step(2, {"loss": 0.5})
+    logger.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(r["tokens_per_sec"] == pytest.approx(128 * r["samples_per_sec"]) for r in records)
+    with pytest.raises(ValueError, match="progress 'fancy': choose auto, bar or lines"):
+        RunLogger(1, 8, 1, progress="fancy")
