@@ -124,7 +124,7 @@ def figure(runs: list[Run]):
     if any(run.has("staleness_mean") for run in runs):
         panels.append(("staleness", "staleness (updates behind)", "step", "staleness of applied gradients"))
     if any(run.has("replica_divergence") for run in runs):
-        panels.append(("replica_divergence", "replica divergence (RMS)", "step", "replica divergence at meetings"))
+        panels.append(("replica_divergence", "replica divergence (relative distance)", "step", "replica divergence at meetings"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.6 * len(panels)), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, ylabel, x, title) in zip(axes[:, 0], panels):
