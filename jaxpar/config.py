@@ -148,17 +148,24 @@ def _metrics_check(name, path):
                 f"pass a new file name, or delete the file first")
 
 
-def _checkpoint_dir_check(name, path):
-    if not path:
-        return f"{name} {path!r}: empty path; pass a folder such as checkpoints/"
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{name} {path!r}: is {path_kind(path)}, not a folder; pass a folder such as checkpoints/"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(path) and not os.path.isdir(parent):
-        return f"{name} {path!r}: folder {parent!r} does not exist; create it or pass e.g. checkpoints/"
-    target = path if os.path.exists(path) else parent
-    if not os.access(target, os.W_OK | os.X_OK):
-        return f"{name} {path!r}: folder {os.path.abspath(target)!r} is not writable; pass a writable folder"
+def _writable_folder(example: str) -> Check:
+    """A folder the run writes into: an existing writable folder, or a new one in a writable folder."""
+    def check(name, path):
+        if not path:
+            return f"{name} {path!r}: empty path; pass a folder such as {example}"
+        if os.path.exists(path) and not os.path.isdir(path):
+            return f"{name} {path!r}: is {path_kind(path)}, not a folder; pass a folder such as {example}"
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.exists(path) and not os.path.isdir(parent):
+            return f"{name} {path!r}: folder {parent!r} does not exist; create it or pass e.g. {example}"
+        target = path if os.path.exists(path) else parent
+        if not os.access(target, os.W_OK | os.X_OK):
+            return f"{name} {path!r}: folder {os.path.abspath(target)!r} is not writable; pass a writable folder"
+
+    return check
+
+
+_checkpoint_dir_check = _writable_folder("checkpoints/")
 
 
 def _is_metrics_file(path) -> bool:
@@ -332,6 +339,9 @@ class Config:
     metrics: str | None = field(default=None, metadata=option(
         "write one JSON object per logged step (step, loss, samples_per_sec, ...) to this .jsonl file", group="run",
         check=_metrics_check))
+    tensorboard: str | None = field(default=None, metadata=option(
+        "also write every logged number as TensorBoard event files into this folder (tensorboardX; view with "
+        "tensorboard --logdir FOLDER)", group="run", check=_writable_folder("runs/")))
     eval_every: int = field(default=0, metadata=option(
         "evaluate on the held-out split every N steps (0: only at the end)", group="run", check=at_least(0)))
     eval_batches: int = field(default=4, metadata=option(

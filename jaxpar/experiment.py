@@ -24,7 +24,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar.config import APPLIES_TO, Config
 from jaxpar.errors import CheckpointError, ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
 from jaxpar.preemption import StopRequest
-from jaxpar.metrics import JsonlFile, RunLogger, records_before
+from jaxpar.metrics import JsonlFile, RunLogger, TensorBoardFile, records_before
 from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.strategies import option_default
@@ -211,13 +211,18 @@ def train(config: Config) -> dict:
     # renamed onto --metrics only once training has started (see jaxpar.metrics)
     jsonl = JsonlFile(config.metrics) if config.metrics and distributed.is_main() else None
     try:
-        return _train(config, jsonl)
+        board = TensorBoardFile(config.tensorboard) if config.tensorboard and distributed.is_main() else None
+        try:
+            return _train(config, jsonl, board)
+        finally:
+            if board is not None:
+                board.close()  # (the logger closes it first when training started)
     finally:
         if jsonl is not None:
             jsonl.discard()  # a no-op once committed
 
 
-def _train(config: Config, jsonl) -> dict:
+def _train(config: Config, jsonl, board=None) -> dict:
     shape = dict(zip(mesh_lib.AXES, mesh_lib.parse_mesh_spec(config.mesh)))
     if -1 not in shape.values():
         batch_sizes(config, math.prod(shape[a] for a in mesh_lib.BATCH_AXES), shape[mesh_lib.REPLICA_AXIS])
@@ -272,7 +277,7 @@ def _train(config: Config, jsonl) -> dict:
     with StopRequest() if agreed else contextlib.nullcontext() as stop:
         try:
             summary = _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest,
-                           schedule)
+                           schedule, board)
         except BaseException:
             if checkpoints is not None:
                 checkpoints.close(quiet=True)  # durable if it can be; the error on its way out is the one to report
@@ -284,7 +289,8 @@ def _train(config: Config, jsonl) -> dict:
         return summary
 
 
-def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest, schedule) -> dict:
+def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest, schedule,
+         board=None) -> dict:
     strategy, mesh, replicas = trainer.strategy, trainer.mesh, trainer.num_replicas
     local_bn = config.bn == "local" or strategy.local_statistics
     state, start, meta = None, 0, {}
@@ -320,7 +326,8 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     logger = RunLogger(config.steps, size_at, config.log_every, jsonl, stream=None if distributed.is_main() else
                        open(os.devnull, "w"),
                        quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start,
-                       tokens_per_example=config.seq_len if config.model == "transformer" else None)
+                       tokens_per_example=config.seq_len if config.model == "transformer" else None,
+                       tensorboard=board)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):

@@ -137,9 +137,9 @@ class RunLogger:
 
     def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
                  stream: IO[str] | None = None, quiet=(), start_step: int = 0, progress: str = "auto",
-                 tokens_per_example: int | None = None):
+                 tokens_per_example: int | None = None, tensorboard: "TensorBoardFile | None" = None):
         self.total_steps, self.log_every = total_steps, log_every
-        self.tokens_per_example = tokens_per_example
+        self.tokens_per_example, self._tensorboard = tokens_per_example, tensorboard
         self.start = start_step  # steps already done (a resumed run): its first step is start_step + 1
         self.quiet = set(quiet)  # metrics recorded in the JSONL but not printed
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
@@ -196,15 +196,21 @@ class RunLogger:
         return (self.total_steps - step) * (now - first_done) / done if done > 0 and first_done is not None else math.nan
 
     def write(self, record: dict) -> None:
-        """Appends one record to the JSONL file (if any); also used for evaluation results."""
+        """Appends one record to the JSONL file (if any) and the TensorBoard events (if any); also used for
+        evaluation results."""
         if self._file:
             self._file.write(record)
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     def close(self, commit: bool = True) -> None:
         """Saves the JSONL file onto its path (`commit=False`: drops it, leaving the path as it was)."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+        if self._tensorboard is not None:
+            board, self._tensorboard = self._tensorboard, None
+            board.close()
         if self._file:
             file, self._file = self._file, None
             file.commit() if commit else file.discard()
@@ -236,3 +242,36 @@ class _Bar:
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+class TensorBoardFile:
+    """Every number of every record as TensorBoard scalars in `directory` (event files written by tensorboardX):
+    step records under `train/NAME`, evaluations under `eval/NAME`, each at its step; the configuration record
+    and how the run ended as text. `tensorboard --logdir DIRECTORY` shows them."""
+
+    def __init__(self, directory: str, flag: str = "--tensorboard"):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(logdir=directory, flush_secs=10)
+        except OSError as error:
+            raise JaxparError(f"{flag} {directory!r}: cannot be written ({error.strerror or error}); pass a writable "
+                              f"folder") from None
+        self.directory = directory
+
+    def write(self, record: dict) -> None:
+        if "stopped" in record:
+            self.writer.add_text("run/stopped", str(record["stopped"]))
+            return
+        if "step" not in record:  # the configuration
+            self.writer.add_text("run/config", "    " + json.dumps(strict_json(record), indent=1).replace("\n", "\n    "))
+            return
+        for key, value in record.items():
+            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()  # (a second close does nothing)

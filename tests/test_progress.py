@@ -46,3 +46,31 @@ def test_tokens_per_second_is_recorded_for_a_language_model(tmp_path):
     assert all(r["tokens_per_sec"] == pytest.approx(128 * r["samples_per_sec"]) for r in records)
     with pytest.raises(ValueError, match="progress 'fancy': choose auto, bar or lines"):
         RunLogger(1, 8, 1, progress="fancy")
+
+
+def test_tensorboard_event_files_hold_every_logged_number(tmp_path, capsys):
+    import run
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board, jsonl = tmp_path / "tb", tmp_path / "run.jsonl"
+    assert run.main(["--model", "mlp", "--mesh", "2x4", "--steps", "6", "--log-every", "2", "--eval-every", "3",
+                     "--tensorboard", str(board), "--metrics", str(jsonl)]) == 0
+    capsys.readouterr()
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    events = EventAccumulator(str(board))  # TensorBoard's own reader
+    events.Reload()
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert {e.step: e.value for e in events.Scalars("train/loss")} == pytest.approx(losses, rel=1e-6)
+    evals = {r["step"]: r["eval_accuracy"] for r in records if "eval_accuracy" in r}
+    assert sorted(evals) == [3, 6]
+    assert {e.step: e.value for e in events.Scalars("eval/accuracy")} == pytest.approx(evals, rel=1e-6)
+    assert {"train/samples_per_sec", "train/lr", "eval/loss"} <= set(events.Tags()["scalars"])
+
+
+def test_a_tensorboard_path_that_is_a_file_is_one_line(tmp_path, capsys):
+    import run
+
+    (tmp_path / "file").write_text("x")
+    assert run.main(["--model", "mlp", "--tensorboard", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--tensorboard" in err and "not a folder" in err, err
