@@ -321,13 +321,21 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
               f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
               f"staleness)", flush=True)
 
+    peak = None
+    if mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such
+        from jaxpar.resources import measured_matmul_peak
+
+        peak = measured_matmul_peak()
+        say(f"jaxpar: flops_utilization in the metrics is the step's FLOPs (XLA cost analysis) per second against "
+            f"a measured float32 matmul peak of this CPU, {peak / 1e9:.1f} GFLOP/s (all devices share its cores)",
+            flush=True)
     host_lrs = schedule  # evaluated on the host for logged steps only (no per-step table: --steps may be huge)
     # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
     logger = RunLogger(config.steps, size_at, config.log_every, jsonl, stream=None if distributed.is_main() else
                        open(os.devnull, "w"),
                        quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start,
                        tokens_per_example=config.seq_len if config.model == "transformer" else None,
-                       tensorboard=board)
+                       tensorboard=board, peak_flops=peak)
 
     class Extras(actions.Action):  # lr and batch size of the step, for the steps the log records
         def due(self, step, last):

@@ -137,9 +137,12 @@ class RunLogger:
 
     def __init__(self, total_steps: int, global_batch, log_every: int, jsonl_path: "str | JsonlFile | None" = None,
                  stream: IO[str] | None = None, quiet=(), start_step: int = 0, progress: str = "auto",
-                 tokens_per_example: int | None = None, tensorboard: "TensorBoardFile | None" = None):
+                 tokens_per_example: int | None = None, tensorboard: "TensorBoardFile | None" = None,
+                 peak_flops: float | None = None):
         self.total_steps, self.log_every = total_steps, log_every
         self.tokens_per_example, self._tensorboard = tokens_per_example, tensorboard
+        self.peak_flops = peak_flops  # FLOP/s all devices together can do: the utilisation's denominator
+        self._flops = 0.0  # FLOPs of the steps since the last record (by XLA's cost analysis of each step)
         self.start = start_step  # steps already done (a resumed run): its first step is start_step + 1
         self.quiet = set(quiet)  # metrics recorded in the JSONL but not printed
         # global batch size of step n (0-based): an int, or a function for a batch-size ramp
@@ -160,6 +163,7 @@ class RunLogger:
         """Call after every step; prints and records every `log_every` steps (and the first and last)."""
         metrics = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # array metrics: not logged
         self._examples += metrics.pop("examples", self.batch_at(step - 1))
+        self._flops += metrics.pop("flops", 0.0)
         self._compiled = metrics.pop("compiled", 0.0) > 0 or getattr(self, "_compiled", False)
         if step == self.start + 1:
             self._first_done = time.perf_counter()  # the ETA leaves out the first step: it includes compilation
@@ -172,6 +176,11 @@ class RunLogger:
         record = {"step": step, **metrics, "samples_per_sec": rate, "elapsed_sec": now - self._start}
         if self.tokens_per_example:
             record["tokens_per_sec"] = rate * self.tokens_per_example
+        if self._flops:
+            record["flops_per_sec"] = self._flops / max(now - self._last_time, 1e-9)
+            if self.peak_flops:
+                record["flops_utilization"] = record["flops_per_sec"] / self.peak_flops
+        self._flops = 0.0
         compiled, self._compiled = self._compiled, False
         if compiled:  # the window's time includes a compilation (the first step, a batch-ramp size, ...)
             record["includes_compilation"] = True

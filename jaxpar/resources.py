@@ -120,3 +120,41 @@ def wait_ready(tree, step: int) -> None:
         parts = pending
         time.sleep(delay)
         delay = min(2 * delay, 2e-3)
+
+
+def step_flops(compiled) -> float | None:
+    """FLOPs of one run of a compiled step on one device, by XLA's cost analysis (None where the backend gives
+    none). These are the compiled program's FLOPs (backward pass, optimizer and collectives' arithmetic included),
+    not an analytic 6 x parameters x tokens."""
+    try:
+        analysis = compiled.cost_analysis()
+    except (NotImplementedError, AttributeError, jax.errors.JaxRuntimeError):
+        return None
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else None
+    flops = (analysis or {}).get("flops")
+    return float(flops) if flops and flops > 0 else None
+
+
+_PEAK: dict = {}
+
+
+def measured_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of this host's CPU on a float32 matmul (size x size, the best of `repeats`, on one JAX CPU device,
+    which uses every core): a measured peak to set a CPU run's FLOPs against. Measured once per process."""
+    if "cpu" not in _PEAK:
+        import time
+
+        import jax.numpy as jnp
+
+        device = jax.local_devices(backend="cpu")[0]
+        a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+        matmul = jax.jit(lambda x: x @ x)
+        matmul(a).block_until_ready()
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            matmul(a).block_until_ready()
+            best = min(best, time.perf_counter() - started)
+        _PEAK["cpu"] = 2 * size ** 3 / best
+    return _PEAK["cpu"]

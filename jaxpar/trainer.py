@@ -33,7 +33,7 @@ from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.distributed import to_host
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
 from jaxpar.faults import flag_if_not_finite, keep_if_finite
-from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, wait_ready
+from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
 
@@ -126,6 +126,7 @@ class Trainer:
                                   self.batch_sharding.addressable_devices_indices_map((ways,)).values()})
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
         self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
+        self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
         self._state_bytes: int | None = None
         for line in self.notes:
             log.warning(line)
@@ -345,14 +346,22 @@ class Trainer:
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
+        flops = self.step_flops.get(self._signature(plan, placed))
+        if flops is not None:
+            host["flops"] = flops
         if self.trace_count > traces:  # this call compiled (the first step, a new batch shape, a new variant)
             host["compiled"] = 1.0
         return state, {**metrics, **host}
 
+    @staticmethod
+    def _signature(plan, placed) -> tuple:
+        """A step variant on a batch shape: what one compilation serves."""
+        return plan.variant, tuple((k, v.shape, str(v.dtype)) for k, v in placed.items())
+
     def _check_step_memory(self, plan, state, placed, rows, step_number) -> None:
         """Before a step variant first runs on a batch shape: its compiled per-device bytes must fit a device.
         The compilation is the one the call then uses (jit caches it), so this costs no extra compile."""
-        signature = (plan.variant, tuple((k, v.shape, str(v.dtype)) for k, v in placed.items()))
+        signature = self._signature(plan, placed)
         if signature in self._memory_checked:
             return
         try:
@@ -360,6 +369,9 @@ class Trainer:
         except jax.errors.JaxRuntimeError as error:
             raise device_error(error, step_number) from None
         check_step_memory(compiled, self.mesh, plan.variant, rows, self.batch_divisor, self.state_bytes_per_device())
+        flops = step_flops(compiled)
+        if flops is not None:
+            self.step_flops[signature] = flops * self.mesh.size  # every device runs the same partitioned program
         self._memory_checked.add(signature)
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:

@@ -74,3 +74,27 @@ def test_a_tensorboard_path_that_is_a_file_is_one_line(tmp_path, capsys):
     assert run.main(["--model", "mlp", "--tensorboard", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--tensorboard" in err and "not a folder" in err, err
+
+
+def test_steps_report_their_compiled_flops_and_the_log_their_utilisation():
+    from tests.helpers import batch_for, trainer_for
+
+    trainer = trainer_for("mlp", "1x1")  # 64 -> 32 -> 10, batch 64
+    state, metrics = trainer.step(trainer.init(0), batch_for("mlp", size=64))
+    # forward 2 x 64 x (64 x 32 + 32 x 10), backward twice that but without the input's gradient: the matmuls,
+    # plus the elementwise work and the optimizer XLA counts too
+    matmuls = 64 * (2 * (64 * 32 + 32 * 10) + 2 * (64 * 32 + 2 * 32 * 10))
+    assert 1.0 <= metrics["flops"] / matmuls <= 1.2
+    on_8 = trainer_for("mlp", "8x1")
+    _, metrics_8 = on_8.step(on_8.init(0), batch_for("mlp", size=64))
+    assert 0.9 <= metrics_8["flops"] / metrics["flops"] <= 1.5  # all devices together: about the same work
+
+
+def test_flops_per_second_and_utilisation_are_recorded(tmp_path):
+    path = tmp_path / "m.jsonl"
+    logger = RunLogger(1, 8, 1, str(path), stream=io.StringIO(), peak_flops=2e9)
+    logger.on_step(1, {"loss": 1.0, "flops": 5e8})
+    logger.close()
+    record = [json.loads(line) for line in path.read_text().splitlines()][0]
+    assert record["flops_per_sec"] == pytest.approx(5e8 / record["elapsed_sec"], rel=0.2)
+    assert record["flops_utilization"] == pytest.approx(record["flops_per_sec"] / 2e9)
