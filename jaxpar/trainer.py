@@ -326,8 +326,9 @@ class Trainer:
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
         `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`),
-        `examples`, the number of examples whose gradient this update applied, and `compiled` (1.0) when this call
-        compiled the step.
+        `examples`, the number of examples whose gradient this update applied, `compiled` (1.0) when this call
+        compiled the step, and `flops`, the compiled step's FLOPs on all devices by XLA's cost analysis (where the
+        backend gives one).
         """
         self._check_state(state)
         batch, rows = self._checked_batch(batch)

@@ -38,8 +38,9 @@ def test_state_is_donated_and_metrics_include_loss_fn_metrics():
     state = trainer.init(0)
     new_state, metrics = trainer.step(state, batch_for("mlp"))
     # sim_time: the simulated clock (no stragglers: 1 per step); examples: how many examples the update applied
-    # compiled: this call compiled the step (the first one does); skipped: 1.0 if the non-finite guard kept the state
-    assert set(metrics) == {"loss", "accuracy", "sim_time", "examples", "compiled", "skipped"}
+    # compiled: this call compiled the step (the first one does); skipped: 1.0 if the non-finite guard kept the state;
+    # flops: the compiled step's FLOPs on all devices (XLA's cost analysis)
+    assert set(metrics) == {"loss", "accuracy", "sim_time", "examples", "compiled", "skipped", "flops"}
     assert metrics["examples"] == 16 and float(metrics["skipped"]) == 0.0
     assert jax.tree.leaves(state.params)[0].is_deleted()  # buffers reused in place
     assert int(new_state.step) == 1
