@@ -98,3 +98,34 @@ def test_flops_per_second_and_utilisation_are_recorded(tmp_path):
     record = [json.loads(line) for line in path.read_text().splitlines()][0]
     assert record["flops_per_sec"] == pytest.approx(5e8 / record["elapsed_sec"], rel=0.2)
     assert record["flops_utilization"] == pytest.approx(record["flops_per_sec"] / 2e9)
+
+
+@pytest.mark.parametrize("strategy", [[], ["--strategy", "local_sgd", "--sync-period", "2"],
+                                      ["--strategy", "diloco", "--sync-period", "2"],
+                                      ["--strategy", "ssp", "--stragglers", "1:2.0"],
+                                      ["--strategy", "asp", "--stragglers", "1:2.0"],
+                                      ["--on-nonfinite", "abort", "--strategy", "sync", "--stragglers", "1:2.0"]],
+                         ids=["sync", "local_sgd", "diloco", "ssp", "asp", "abort"])
+def test_every_record_key_of_every_strategy_is_in_the_documented_schema(strategy, tmp_path, capsys):
+    import run
+    from jaxpar.metrics import EVAL_PREFIX, STEP_KEYS
+
+    path = tmp_path / "m.jsonl"
+    assert run.main(["--model", "mlp", "--mesh", "4x2", "--steps", "4", "--log-every", "1", "--eval-every", "2",
+                     *strategy, "--metrics", str(path)]) == 0
+    capsys.readouterr()
+    records = [json.loads(line) for line in path.read_text().splitlines()][1:]
+    own = {"accuracy"}  # the built-in loss functions' metric
+    for record in records:
+        if any(k.startswith(EVAL_PREFIX) for k in record):
+            assert set(record) - {"step"} <= {EVAL_PREFIX + "loss", EVAL_PREFIX + "accuracy"}, record
+        else:
+            assert set(record) - own <= set(STEP_KEYS), set(record) - own - set(STEP_KEYS)
+    keys = set().union(*records)
+    expected = {"sync": {"skipped"}, "local_sgd": {"replica_divergence"}, "diloco": {"replica_divergence"},
+                "ssp": {"staleness_mean", "staleness_max", "contributors", "version_buffer"},
+                "asp": {"staleness_mean", "staleness_max", "contributors", "version_buffer"},
+                "abort": {"nonfinite"}}
+    name = strategy[strategy.index("--strategy") + 1] if "--strategy" in strategy else "sync"
+    name = "abort" if "abort" in strategy else name
+    assert expected[name] | {"sim_time", "flops_per_sec", "lr", "batch_size"} <= keys
