@@ -322,6 +322,7 @@ STAND_IN = """
 import os, signal, sys, time
 rank = int(os.environ["JAXPAR_PROCESS_ID"])
 signal.signal(signal.SIGTERM, lambda *_: (print(f"rank {rank} terminated", flush=True), sys.exit(143)))
+open(os.path.join(os.path.dirname(__file__), f"pid{rank}"), "w").write(str(os.getpid()))
 print(f"rank {rank} of {os.environ['JAXPAR_NUM_PROCESSES']} at {os.environ['JAXPAR_COORDINATOR']}", flush=True)
 if rank == int(sys.argv[1]):
     sys.exit(3)
@@ -352,8 +353,12 @@ def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
     assert code == 3
     assert "jaxpar.launch: process 1 exited with code 3; stopping the other processes" in err
     assert "jaxpar.launch: failed: process 1 of 3 exited with code 3" in err
-    assert "[0] rank 0 terminated" in out and "[2] rank 2 terminated" in out  # stopped, not left running
     assert "[1] rank 1 of 3 at 127.0.0.1:" in out
+    for rank in (0, 2):  # stopped (by SIGTERM, maybe before they even set up), not left running
+        pid_file = tmp_path / f"pid{rank}"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
 
 
 def test_launcher_passes_ctrl_c_as_sigterm_and_reports_a_requested_stop(tmp_path):
