@@ -131,14 +131,15 @@ class Launcher:
         while True:
             codes = [p.poll() for p in self.processes]
             if failed is None:
-                for rank, code in enumerate(codes):
-                    if code not in (None, 0) and not (self._signals and code in STOPPED_CODES):
-                        failed = (rank, code)
-                        if any(c is None for c in codes):
-                            self._say(f"process {rank} {_describe(code)}; stopping the other processes")
-                            self.kill_all(signal.SIGTERM)
-                            deadline = time.monotonic() + self.grace
-                        break
+                failures = [(rank, code) for rank, code in enumerate(codes)
+                            if code not in (None, 0) and not (self._signals and code in STOPPED_CODES)]
+                if failures:
+                    # seen in the same poll: a killed process first (the others' errors usually follow from it)
+                    rank, code = failed = min(failures, key=lambda failure: (failure[1] >= 0, failure[0]))
+                    if any(c is None for c in codes):
+                        self._say(f"process {rank} {_describe(code)}; stopping the other processes")
+                        self.kill_all(signal.SIGTERM)
+                        deadline = time.monotonic() + self.grace
             if all(c is not None for c in codes):
                 break
             if failed is not None and time.monotonic() > deadline:
