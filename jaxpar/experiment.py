@@ -313,13 +313,13 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     count = jax.process_count()
     processes = f" in {count} processes, {len(mesh.local_devices)} each" if count > 1 else ""
     say(f"jaxpar: {config.model} ({n_params:,} parameters, {config.dtype}) on mesh {mesh_lib.shape_line(mesh)} "
-          f"({mesh.size} {mesh.devices.flat[0].platform} devices{processes}); global batch "
-          f"{config.batch_ramp or config.batch_size} ({per_replica}); strategy {config.strategy}{bn}; "
-          f"{config.steps} steps" + (f", resumed at step {start}" if start else ""), flush=True)
+        f"({mesh.size} {mesh.devices.flat[0].platform} devices{processes}); global batch "
+        f"{config.batch_ramp or config.batch_size} ({per_replica}); strategy {config.strategy}{bn}; "
+        f"{config.steps} steps" + (f", resumed at step {start}" if start else ""), flush=True)
     if config.strategy in ("ssp", "asp") and not config.stragglers:
         say(f"jaxpar: note: --strategy {config.strategy} without --stragglers: every replica is equally fast, so "
-              f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
-              f"staleness)", flush=True)
+            f"every update applies every replica's fresh gradient, as sync SGD does (give --stragglers to see "
+            f"staleness)", flush=True)
 
     peak = None
     if mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such

@@ -20,6 +20,7 @@ script pass `--devices-per-process` (sets `JAXPAR_LOCAL_DEVICES`). An inherited 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -116,10 +117,8 @@ class Launcher:
     def kill_all(self, number) -> None:
         for process in self.processes:
             if process.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it ended since poll()
                     os.killpg(process.pid, number)  # its whole session: nothing it started survives
-                except ProcessLookupError:
-                    pass
 
     def _say(self, text: str) -> None:
         with self._lock:

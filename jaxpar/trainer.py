@@ -121,9 +121,7 @@ class Trainer:
         self.batch_sharding = shd.batch_sharding(mesh)
         # this process's share of a global batch: its distinct row blocks of the `ways` the batch is split into
         # (all of them in one process; with several, the blocks its devices hold)
-        ways = mesh_lib.batch_ways(mesh)
-        self._local_blocks = len({index[0].start or 0 for index in
-                                  self.batch_sharding.addressable_devices_indices_map((ways,)).values()})
+        self._local_blocks = len(self._block_starts(mesh_lib.batch_ways(mesh)))
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
         self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
@@ -247,10 +245,13 @@ class Trainer:
         if global_size % ways:
             raise DataError(f"global batch size {global_size} does not divide by the batch axes "
                             f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways}")
-        blocks = self.batch_sharding.addressable_devices_indices_map((global_size,)).values()
-        starts = sorted({index[0].start or 0 for index in blocks})
         per_block = global_size // ways
-        return np.concatenate([np.arange(start, start + per_block) for start in starts])
+        return np.concatenate([np.arange(start, start + per_block) for start in self._block_starts(global_size)])
+
+    def _block_starts(self, global_size: int) -> list[int]:
+        """First rows of the blocks of a global batch this process's devices hold (the addressable indices)."""
+        blocks = self.batch_sharding.addressable_devices_indices_map((global_size,)).values()
+        return sorted({index[0].start or 0 for index in blocks})
 
     def global_rows(self, local_size: int) -> int:
         """The global batch size of which `local_size` rows are this process's share."""
@@ -341,13 +342,14 @@ class Trainer:
         plan = self.strategy.plan(self._ctx, step_number)
         traces = self.trace_count
         placed = self._placed(batch)
-        self._check_step_memory(plan, state, placed, rows, step_number)
+        signature = self._signature(plan, placed)
+        self._check_step_memory(signature, plan, state, placed, rows, step_number)
         try:
             state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
-        flops = self.step_flops.get(self._signature(plan, placed))
+        flops = self.step_flops.get(signature)
         if flops is not None:
             host["flops"] = flops
         if self.trace_count > traces:  # this call compiled (the first step, a new batch shape, a new variant)
@@ -359,10 +361,9 @@ class Trainer:
         """A step variant on a batch shape: what one compilation serves."""
         return plan.variant, tuple((k, v.shape, str(v.dtype)) for k, v in placed.items())
 
-    def _check_step_memory(self, plan, state, placed, rows, step_number) -> None:
+    def _check_step_memory(self, signature, plan, state, placed, rows, step_number) -> None:
         """Before a step variant first runs on a batch shape: its compiled per-device bytes must fit a device.
         The compilation is the one the call then uses (jit caches it), so this costs no extra compile."""
-        signature = self._signature(plan, placed)
         if signature in self._memory_checked:
             return
         try:
