@@ -7,7 +7,7 @@ and step time, on the 8-device data axis (mesh "8", i.e. 8 x 1).
 
 For each variant (`Sync()`: the partitioner's all-reduce, labelled "gspmd"; `Sync("psum")`, `Sync("ring")`,
 `Sync("torus2d")`, `Sync("ps")`: the explicit `shard_map` average) the step is lowered and compiled, and
-`jaxpar.explain.collective_stats` counts the collectives in the optimised HLO: count and result bytes per op kind.
+`jaxpar.hlo.collective_stats` counts the collectives in the optimised HLO: count and result bytes per op kind.
 Shapes inside `shard_map` are per device, so a ring's permute of `f32[59712]` sends 238,848 bytes from *every*
 device. "sent/dev" is the bytes the busiest device sends, read from each collective-permute's
 `source_target_pairs` (a parameter server's permutes have one pair each: only the root sends B seven times,
@@ -28,7 +28,7 @@ of 8 device threads) and their latency, not link bandwidth; the bytes columns ar
 
 `--fsdp` prints a different table instead: the `Sync()` step (the partitioner inserts every collective) on the
 meshes of `--meshes` (default fsdp=8, data=2,fsdp=4, data=2,fsdp=2,model=2, fsdp=4,model=2 and 8 for reference).
-Per mesh: count and result bytes per device of each collective kind (`collective_stats`); the bytes a device
+Per mesh: count and result bytes per device of each collective kind (`jaxpar.hlo.collective_stats`); the bytes a device
 holds of the parameters and of parameters + optimizer state (summed over a real initialised state's shards on
 the fullest device); and FSDP traffic vs theory. Theory: with an fsdp axis of N, ZeRO-3 all-gathers the
 parameters for the forward pass, again for the backward pass, and reduce-scatters the gradients; each moves
@@ -67,7 +67,7 @@ SHORT = {"all-reduce": "AR", "collective-permute": "CP", "all-gather": "AG", "re
 
 def permute_bytes_sent(hlo_text: str) -> dict[int, int]:
     """Bytes each device sends through collective-permutes: every (source, target) pair sends the result shape."""
-    from jaxpar.explain import shape_bytes
+    from jaxpar.hlo import shape_bytes
 
     sent: dict[int, int] = {}
     for line in hlo_text.splitlines():
@@ -133,7 +133,7 @@ def allreduce_table(args, mesh):
     import optax
 
     from jaxpar.collectives import theoretical_traffic
-    from jaxpar.explain import collective_stats
+    from jaxpar.hlo import collective_stats
 
     config, factory, loss_fn, batch = setup(args)
     n = mesh.shape["data"]
@@ -203,120 +203,7 @@ def allreduce_table(args, mesh):
         print(json.dumps(results[label]))
 
 
-# --- FSDP --------------------------------------------------------------------------------------------------------
-_LINE = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_GROUPS = re.compile(r"replica_groups=(\{\}|\{\{[\d,{} ]*\}\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
-                     r"|mesh\[[^\]]*\](?:, device_ids=\((?:\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))? \{[^}]*\})")
-_IOTA = r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?"
-
-
-def _shape_and_tail(rest: str) -> tuple[str, str]:
-    """Splits `(f32[2], f32[3]) all-gather(...)` / `f32[2]{0} all-gather(...)` into the shape and the rest."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                return rest[: i + 1], rest[i + 1:].strip()
-    shape, _, tail = rest.partition(" ")
-    return shape, tail.strip()
-
-
-def _iota(dims: str, perm: str | None):
-    import numpy as np
-
-    shape = [int(d) for d in dims.split(",")]
-    ids = np.arange(int(np.prod(shape))).reshape(shape)
-    return ids.transpose([int(d) for d in perm.split(",")]) if perm else ids
-
-
-def replica_groups(text: str, num_devices: int) -> list[list[int]]:
-    """The device groups of `replica_groups=...`: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`, `{}` (one
-    group of every device), or the mesh form `mesh['axis_0'=2,'axis_1'=4], device_ids=([2,2,2]T(1,0,2))
-    {'axis_0'}`: the devices (iota order unless `device_ids` says otherwise) laid out row-major on that mesh, one
-    group per position on the axes not named in braces."""
-    import numpy as np
-
-    if text == "{}":
-        return [list(range(num_devices))]
-    if text.startswith("{"):
-        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", text[1:-1])]
-    if text.startswith("mesh"):
-        sizes = re.findall(r"'([^']+)'=(\d+)", text.partition("]")[0])
-        names, shape = [n for n, _ in sizes], [int(v) for _, v in sizes]
-        ids = re.search(r"device_ids=\((.*)\) \{", text)
-        if ids and ids.group(1).startswith("["):
-            grid = _iota(*re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids.group(1)).groups())
-        elif ids:
-            grid = np.asarray([int(d) for d in ids.group(1).split(",")])
-        else:
-            grid = np.arange(int(np.prod(shape)))
-        grouped = re.findall(r"'([^']+)'", text.rpartition("{")[2])
-        if any(name not in names for name in grouped):
-            raise ValueError(f"replica_groups={text}: sub-axes are not supported by this parser")
-        axes = [names.index(name) for name in grouped]
-        rest = [i for i in range(len(shape)) if i not in axes]
-        grid = grid.reshape(shape).transpose(rest + axes)
-        return grid.reshape(-1, int(np.prod([shape[i] for i in axes]))).tolist()
-    match = re.fullmatch(_IOTA, text)
-    return _iota(match.group(2), match.group(3)).reshape([int(d) for d in match.group(1).split(",")]).tolist()
-
-
-def _arrays(shape: str) -> list[tuple[tuple[int, ...], int]]:
-    """(sorted dims, bytes) of each array in an HLO shape (a tuple result holds several)."""
-    from jaxpar.explain import shape_bytes
-
-    return [(tuple(sorted(int(d) for d in m.group(2).split(",") if d)), shape_bytes(m.group(0)))
-            for m in re.finditer(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", shape)]
-
-
-def collective_ops(hlo_text: str, mesh) -> list[dict]:
-    """Every collective in optimised SPMD HLO: kind, result bytes per device, group size and the mesh axes its
-    groups span (device id i = partition i = `mesh.devices.flat[i]`). Async `-start`/`-done` pairs count once,
-    with the `-done` result. Collective-permutes get their pairs instead of groups (axes from the pairs). `arrays`:
-    (sorted dims, bytes) of each array of the result."""
-    import numpy as np
-    from jaxpar.explain import shape_bytes
-
-    ops, starts = [], {}
-    for line in hlo_text.splitlines():
-        inst = _LINE.match(line)
-        if not inst:
-            continue
-        shape, tail = _shape_and_tail(inst.group(2))
-        opcode = tail.partition("(")[0]
-        base = opcode.removesuffix("-start").removesuffix("-done")
-        if base not in FSDP_KINDS:
-            continue
-        if opcode.endswith("-done"):
-            start = re.search(r"%([\w.\-]+)", tail)
-            if start and start.group(1) in starts:
-                starts.pop(start.group(1)).update(bytes=shape_bytes(shape), arrays=_arrays(shape))
-            continue
-        if base == "collective-permute":
-            pairs = re.search(r"source_target_pairs=(\{\{.*?\}\})", tail)
-            groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))] if pairs else []
-        else:
-            found = _GROUPS.search(tail)
-            groups = replica_groups(found.group(1) if found else "{}", mesh.size)
-            assert sorted(d for g in groups for d in g) == list(range(mesh.size)), (line, groups)
-        coords = [np.unravel_index(np.asarray(g), mesh.devices.shape) for g in groups]
-        axes = tuple(a for i, a in enumerate(mesh.axis_names) if any(len(set(c[i].tolist())) > 1 for c in coords))
-        op = {"kind": base, "bytes": shape_bytes(shape), "arrays": _arrays(shape), "axes": axes,
-              "group": max((len(g) for g in groups), default=1)}
-        if opcode.endswith("-start"):
-            starts[inst.group(1)] = op
-        ops.append(op)
-    return ops
-
-
-def ring_bytes_sent(op: dict) -> float:
-    """Bytes one device sends for `op` on a ring of its group size g, from its result bytes R."""
-    g, r = op["group"], op["bytes"]
-    return {"all-gather": (g - 1) / g * r, "reduce-scatter": (g - 1) * r, "all-reduce": 2 * (g - 1) / g * r,
-            "all-to-all": (g - 1) / g * r, "collective-permute": r}[op["kind"]]
-
-
+# --- FSDP ----------------------------------------------------------------------------------------------------------
 def device_bytes(tree) -> int:
     """Bytes the fullest device holds of a tree of placed arrays (summed over its shards)."""
     import jax
@@ -333,7 +220,7 @@ def fsdp_table(args):
     import optax
 
     from jaxpar import mesh as mesh_lib
-    from jaxpar.explain import collective_stats
+    from jaxpar.hlo import bytes_sent, collective_ops, collective_stats
 
     config, factory, loss_fn, batch = setup(args)
     rows = []
@@ -346,7 +233,7 @@ def fsdp_table(args):
         compiled = trainer._steps["sync"].lower(state, sharded_batch, inputs).compile()
         stats, ops = collective_stats(compiled), collective_ops(compiled.as_text(), mesh)
         for kind in FSDP_KINDS:  # the two parsers must agree before the split by axes is trusted
-            mine = (sum(o["kind"] == kind for o in ops), sum(o["bytes"] for o in ops if o["kind"] == kind))
+            mine = (sum(o.kind == kind for o in ops), sum(o.bytes for o in ops if o.kind == kind))
             assert mine == (stats[kind]["count"], stats[kind]["bytes"]), (spec, kind, mine, stats[kind])
         n = mesh.shape[mesh_lib.FSDP_AXIS]
         # P_f = what one fsdp group gathers: N x each fsdp-sharded parameter's shard; `gathered` / `shards`: the
@@ -360,20 +247,20 @@ def fsdp_table(args):
                 shards.add(tuple(sorted(shard)))
                 gathered.add(tuple(sorted(d * (n if i < len(axes) and mesh_lib.FSDP_AXIS in axes[i] else 1)
                                           for i, d in enumerate(shard))))
-        on_fsdp = [o for o in ops if o["axes"] == (mesh_lib.FSDP_AXIS,)]
+        on_fsdp = [o for o in ops if o.axes == (mesh_lib.FSDP_AXIS,)]
 
         def param_bytes(kinds, shapes):
-            return sum(b for o in on_fsdp if o["kind"] in kinds for dims, b in o["arrays"] if dims in shapes)
+            return sum(b for o in on_fsdp if o.kind in kinds for dims, b in o.arrays if dims in shapes)
 
         param_ag = param_bytes({"all-gather"}, gathered)
         grad_ar, grad_rs = param_bytes({"all-reduce"}, gathered), param_bytes({"reduce-scatter"}, shards)
-        sent = sum(ring_bytes_sent(o) for o in on_fsdp)
+        sent = sum(bytes_sent(o) for o in on_fsdp)
         sent_params = (n - 1) / n * (param_ag + 2 * grad_ar) + (n - 1) * grad_rs
         breakdown: dict = {}
         for o in ops:
-            key = (o["kind"], "+".join(o["axes"]) or "-", o["group"])
+            key = (o.kind, "+".join(o.axes) or "-", o.group)
             count, size = breakdown.get(key, (0, 0))
-            breakdown[key] = (count + 1, size + o["bytes"])
+            breakdown[key] = (count + 1, size + o.bytes)
         rows.append({
             "mesh": spec, "fsdp": n, **{f"{k}_count": stats[k]["count"] for k in FSDP_KINDS},
             **{f"{k}_bytes": stats[k]["bytes"] for k in FSDP_KINDS},

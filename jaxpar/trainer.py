@@ -33,6 +33,8 @@ from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.distributed import to_host
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
 from jaxpar.faults import flag_if_not_finite, keep_if_finite
+from jaxpar.hardware import parse_hardware, step_cost
+from jaxpar.hlo import collective_ops
 from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
@@ -69,8 +71,10 @@ class Trainer:
 
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
-                 grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True):
+                 grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
+                 hardware=None):
         mesh_lib.check_mesh(mesh)
+        self.hardware = parse_hardware(hardware)
         if isinstance(model, nnx.Module) or not callable(model):
             raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
                              f"itself, or lambda rngs: MyModel(..., rngs=rngs)), not a built module")
@@ -125,6 +129,8 @@ class Trainer:
         self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
         self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
+        self.step_costs: dict = {}  # variant -> its StepCost on `hardware` (the latest batch shape it compiled for)
+        self._abstract_batch = None  # the latest batch's shapes: what a step variant is priced on before it runs
         self._state_bytes: int | None = None
         for line in self.notes:
             log.warning(line)
@@ -136,6 +142,8 @@ class Trainer:
                        for name, fn in self.strategy.steps(self._ctx).items()}
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
+        clock = getattr(self.strategy, "clock", None)  # the strategy's simulated clock, priced here (sim_time)
+        self.clock = None if clock is None else clock.priced(self.variant_cost if self.hardware else None)
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
     def _init_state(self, seed) -> TrainState:
@@ -349,6 +357,8 @@ class Trainer:
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
+        if self.clock is not None:
+            host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
         flops = self.step_flops.get(signature)
         if flops is not None:
             host["flops"] = flops
@@ -366,15 +376,45 @@ class Trainer:
         The compilation is the one the call then uses (jit caches it), so this costs no extra compile."""
         if signature in self._memory_checked:
             return
+        self._abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding)
+                                for k, v in placed.items()}
         try:
             compiled = self._steps[plan.variant].lower(state, placed, plan.inputs).compile()
         except jax.errors.JaxRuntimeError as error:
             raise device_error(error, step_number) from None
+        self._price(plan.variant, compiled)
         check_step_memory(compiled, self.mesh, plan.variant, rows, self.batch_divisor, self.state_bytes_per_device())
         flops = step_flops(compiled)
         if flops is not None:
             self.step_flops[signature] = flops * self.mesh.size  # every device runs the same partitioned program
         self._memory_checked.add(signature)
+
+    def _price(self, variant: str, compiled) -> None:
+        if self.hardware is not None:
+            self.step_costs[variant] = step_cost(step_flops(compiled), collective_ops(compiled, self.mesh),
+                                                 self.hardware)
+
+    def compiled_step(self, variant: str, batch=None, inputs=None):
+        """The compiled step `variant` for a global `batch` (arrays or `jax.ShapeDtypeStruct`s; default: the latest
+        batch's shapes) with the strategy's `inputs` (default: none, as every variant but a server update has),
+        compiled ahead of time from the train state's shapes: nothing runs, nothing is allocated."""
+        if batch is None:
+            batch = self._abstract_batch
+        if batch is None:
+            raise StateError("no batch yet: pass one (its shapes are enough) to compile a step variant for it")
+        if variant not in self._steps:
+            raise ConfigError(f"step variant {variant!r}: the strategy {self.strategy.name!r} has "
+                              f"{', '.join(sorted(self._steps))}")
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
+                    for k, v in ((k, v if hasattr(v, "dtype") else np.asarray(v)) for k, v in batch.items())}
+        return self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
+
+    def variant_cost(self, variant: str):
+        """The `jaxpar.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
+        run yet, e.g. a meeting step priced before the first meeting)."""
+        if variant not in self.step_costs:
+            self._price(variant, self.compiled_step(variant))
+        return self.step_costs[variant]
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.explain import collective_stats
+from jaxpar.hlo import collective_stats
 from jaxpar.strategies.simulator import parse_stragglers, simulate_ps
 from tests.helpers import batch_for, trainer_for
 
@@ -224,7 +224,7 @@ def test_local_after_beyond_the_first_clock_window_plans_fine():
     trainer = trainer_for("mlp", "4x2", strategy=jaxpar.LocalSGD(period=4, local_after=2000))
     plans = [trainer.strategy.plan(trainer._ctx, n) for n in (0, 1999, 2000, 2003)]
     assert [p.variant for p in plans] == ["sync", "sync", "local", "meet"]
-    assert plans[1].host_metrics["sim_time"] == 2000.0
+    assert trainer.clock.time_after(4, 1999) == 2000.0
 
 
 def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refused():
@@ -268,11 +268,12 @@ def test_schedules_and_clocks_are_pure_functions_of_replica_count_and_step():
     fresh = jaxpar.ASP(stragglers="1:2.0", horizon=8)
     assert [fresh.plan(four._ctx, n).host_metrics for n in range(8)] == \
         [strategy.plan(four._ctx, n).host_metrics for n in range(8)]
+    assert [fresh.clock.time_after(4, n) for n in range(8)] == [strategy.clock.time_after(4, n) for n in range(8)]
     sync = jaxpar.Sync(stragglers="1:2.0")
-    assert sync.plan(four._ctx, 3).host_metrics["sim_time"] == 8.0
-    assert sync.plan(trainer_for("mlp", "2x4", strategy=sync)._ctx, 3).host_metrics["sim_time"] == 8.0
-    assert jaxpar.Sync().plan(four._ctx, 3).host_metrics["sim_time"] == 4.0
-    assert sync.plan(four._ctx, 3).host_metrics["sim_time"] == 8.0
+    assert sync.clock.time_after(4, 3) == 8.0
+    assert trainer_for("mlp", "2x4", strategy=sync).clock.time_after(2, 3) == 8.0
+    assert jaxpar.Sync().clock.time_after(4, 3) == 4.0
+    assert sync.clock.time_after(4, 3) == 8.0
 
 
 def test_examples_count_only_contributing_replicas_under_asp():

@@ -3,14 +3,14 @@ clock of strategies whose replicas meet on a fixed schedule (sync SGD every step
 
 from __future__ import annotations
 
+import array
+import itertools
 import numbers
-
-import numpy as np
 
 from jaxpar.collectives import Communicator
 from jaxpar.collectives import communicator as make_communicator
 from jaxpar.errors import ConfigError
-from jaxpar.strategies.simulator import Stragglers, bsp_times, parse_stragglers
+from jaxpar.strategies.simulator import Stragglers, parse_stragglers, simulate
 
 
 def check_int(where: str, value, low: int, why: str = "", optional: bool = False) -> None:
@@ -67,23 +67,45 @@ class StrategyBase:
         return () if self.communicator is None else self.communicator.init(params)
 
 
-class SimulatedClock:
-    """Host-side simulated seconds after each step for replicas that meet every step for the first `sync_steps`
-    steps and every `period` steps after that (sync SGD: period 1; post-local SGD: sync_steps = K).
+class Clock:
+    """The simulated clock of a strategy: `simulator.simulate` per replica count, memoised and only ever extended
+    (the first k steps never change), so `sim_time` is a pure function of (replica count, step number).
 
-    A pure function of (replica count, step number): the memo is keyed by the replica count and only ever extended
-    (the first k entries never change)."""
+    `schedule` holds the whole `Update`s (who delivers, how stale) at unit cost, which is all a server strategy
+    replays; they never depend on the profile. `time_after` reads the clock priced by `cost` (variant ->
+    `jaxpar.hardware.StepCost`): a trainer with a hardware profile prices its own copy (`priced`) from its compiled
+    steps; without one every step costs one unit and communication is free."""
 
-    def __init__(self, stragglers, period: int = 1, sync_steps: int = 0):
-        self.stragglers, self.period, self.sync_steps = as_stragglers(stragglers), period, sync_steps
-        self._times: dict[int, np.ndarray] = {}
+    def __init__(self, stragglers, staleness_bound: int | None = 0, rounds=None, cost=None):
+        self.stragglers, self.bound, self.rounds = as_stragglers(stragglers), staleness_bound, rounds
+        self.cost = cost
+        self._schedules: dict[int, tuple] = {}  # replica count -> (stream, list of Updates)
+        self._times: dict[int, tuple] = {}  # replica count -> (priced stream, array of sim_time)
+
+    def priced(self, cost) -> "Clock":
+        """The same clock with every step priced by `cost(variant)` (None: unit cost); this one is unchanged."""
+        clock = Clock(self.stragglers, self.bound, self.rounds, cost)
+        clock._schedules = self._schedules  # unit-cost schedules never depend on the price
+        return clock
+
+    def schedule(self, num_replicas: int, steps: int) -> list:
+        """The first `steps` (at least) simulated steps at unit cost."""
+        stream, known = self._schedules.get(num_replicas) or (None, [])
+        if stream is None:
+            stream = simulate(self.stragglers, num_replicas, self.bound, self.rounds)
+            self._schedules[num_replicas] = (stream, known)
+        known.extend(itertools.islice(stream, max(0, steps - len(known))))
+        return known
 
     def time_after(self, num_replicas: int, step_number: int) -> float:
-        times = self._times.get(num_replicas, np.zeros(0))
+        """Simulated seconds when the step with that (0-based) number completes."""
+        if self.cost is None and self.bound != 0:  # a server's unit-cost times are its schedule's
+            return self.schedule(num_replicas, step_number + 1)[step_number].sim_time
+        stream, times = self._times.get(num_replicas) or (None, array.array("d"))
+        if stream is None:
+            stream = simulate(self.stragglers, num_replicas, self.bound, self.rounds, self.cost)
+            self._times[num_replicas] = (stream, times)
         if step_number >= len(times):  # extended geometrically
-            total = max(2 * step_number + 1, 1024)  # never the whole synchronous prefix at once: it may be huge
-            synced = bsp_times(self.stragglers, num_replicas, min(self.sync_steps, total), 1)
-            start = synced[-1] if len(synced) else 0.0
-            local = start + bsp_times(self.stragglers, num_replicas, total - len(synced), self.period)
-            times = self._times[num_replicas] = np.concatenate([synced, local])
-        return float(times[step_number])
+            wanted = max(2 * step_number + 1, 1024) - len(times)
+            times.extend(u.sim_time for u in itertools.islice(stream, wanted))
+        return times[step_number]

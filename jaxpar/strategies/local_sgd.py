@@ -27,7 +27,8 @@ from jaxpar.sharding import optimizer_shardings
 from jaxpar.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import SimulatedClock, StrategyBase, check_int
+from jaxpar.strategies.common import Clock, StrategyBase, check_int
+from jaxpar.strategies.simulator import meeting_rounds
 
 SHARDED, BATCH = rep.SHARDED, rep.BATCH
 
@@ -44,7 +45,7 @@ class LocalSGD(StrategyBase):
         check_int(f"{cls}(local_after=...)", local_after, 0, "synchronous steps first; 0 = local from the start")
         super().__init__(allreduce or "psum", torus_x, stragglers)
         self.period, self.local_after = period, local_after
-        self.clock = SimulatedClock(self.stragglers, period, local_after)
+        self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
 
     # --- state -----------------------------------------------------------------------------------------------
     def _anchor_opt_state(self, ctx, params):
@@ -75,7 +76,7 @@ class LocalSGD(StrategyBase):
             variant = "meet"
         else:
             variant = "local"
-        return Plan(variant, {}, {"sim_time": self.clock.time_after(ctx.num_replicas, step_number)})
+        return Plan(variant)
 
     # --- steps -------------------------------------------------------------------------------------------------
     def steps(self, ctx):

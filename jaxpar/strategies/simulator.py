@@ -1,10 +1,22 @@
-"""Host-side simulation of slow workers: who delivers a gradient in each server update, and when (DESIGN.md §5).
+"""The simulated clock of every strategy: one event simulation of replicas, a server and the staleness rule.
 
-The emulated asynchronous strategies (ASP, SSP, and BSP as SSP with S = 0) run on a mesh whose devices are in
-lock step, so the asynchrony itself is simulated here, on the host, before training: a parameter server with a
-version counter, workers that need `c_i` simulated seconds per gradient, and the staleness rule. The result is a
-deterministic schedule (a list of `Update`s) that the device step replays: replicas that deliver nothing in an
-update are masked out, and each participant reads the parameter version `staleness` updates old.
+The mesh runs its devices in lock step, so time is simulated on the host (DESIGN.md §5). `simulate` is the one event
+simulator behind `sim_time` for every strategy:
+
+- replica i's k-th step costs `c_ik x compute(variant)` seconds, c_ik its straggler factor (with jitter) and
+  `compute` the variant's full-speed time (1.0 without a hardware profile; FLOPs / peak with one);
+- replicas deliver into a pending set; the server applies the set as one update unless that would push some
+  in-flight gradient's staleness over the bound S (0 = every replica, every update: BSP = sync SGD; None = ASP);
+- an update's communication (`comm(variant)`, the alpha-beta cost of the collectives its compiled step contains;
+  0 without a profile) stops the world: the update completes `comm` later and every replica still computing is
+  delayed as much. So who delivers, and how stale, never depends on the profile: only when;
+- a round may hold several steps per replica (local SGD: H - 1 local steps, then the meeting); a local step's own
+  collectives (scalar metric means) add to that replica's time without a barrier. Between meetings there is no
+  common clock, so those steps report the mean of the replicas' clocks.
+
+SSP / ASP replay the resulting schedule on the device: replicas that deliver nothing in an update are masked out,
+and each participant reads the parameter version `staleness` updates old. Sync SGD and local SGD / DiLoCo only read
+its times.
 
 Pure Python + numpy on purpose: no JAX, so the schedule is cheap, testable alone and identical on every process.
 
@@ -122,11 +134,11 @@ def compute_times(stragglers: Stragglers, num_replicas: int, count: int) -> np.n
 
 
 class Update(NamedTuple):
-    """One server update: an optimizer step on the mean gradient of its participants."""
+    """One step as the simulation sees it; for a server update: an optimizer step on its participants' mean gradient."""
 
-    participants: np.ndarray  # bool [R]: replicas whose gradient is in this update
+    participants: np.ndarray  # bool [R]: replicas whose gradient is in this update (every replica for a local step)
     staleness: np.ndarray  # int [R]: updates between the version read and the one applied to; 0 if not participating
-    sim_time: float  # the simulated instant the update is applied
+    sim_time: float  # the simulated instant the step completes
 
 
 def _check_staleness(staleness_bound) -> float:
@@ -143,89 +155,143 @@ def _check_int(name: str, value, low: int) -> None:
         raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
 
 
-def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None,
-                num_updates: int) -> list[Update]:
-    """The parameter-server event simulation of DESIGN.md §5; `staleness_bound` None = ASP, 0 = BSP, S = SSP(S).
+CHUNK_ROWS = 4096  # rows of compute times drawn at a time
 
-    Workers start on version 0 at t = 0. At each arrival instant every worker finishing then delivers into a pending
-    set and idles. The server applies the whole pending set as one update unless that would push some in-flight
-    gradient's staleness over S, i.e. (V + 1) - version_read > S; then it waits for more arrivals (fast workers
-    idle). After an update, exactly the delivering workers start their next gradient, on the new version.
-    The bound holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
+
+class _Rows:
+    """Row k = every replica's straggler factor for its k-th step, drawn lazily CHUNK_ROWS at a time from one seeded
+    stream (the same numbers as one `compute_times` call); rows every replica has used are dropped."""
+
+    def __init__(self, stragglers: Stragglers, num_replicas: int):
+        self._factors = stragglers.factors(num_replicas)
+        self._rng = np.random.default_rng(stragglers.seed)
+        self._jitter, self._replicas = stragglers.jitter, num_replicas
+        self._rows: list = []
+        self._first = 0  # step number of self._rows[0]
+
+    def factor(self, step: int, replica: int) -> float:
+        while step - self._first >= len(self._rows):
+            z = self._rng.standard_normal((CHUNK_ROWS, self._replicas))
+            self._rows.extend((self._factors * np.exp(self._jitter * z)).tolist())
+        return self._rows[step - self._first][replica]
+
+    def forget_before(self, step: int) -> None:
+        drop = step - self._first
+        if drop >= CHUNK_ROWS:
+            del self._rows[:drop]
+            self._first = step
+
+
+def _unit_cost(variant: str):
+    from jaxpar.hardware import UNIT
+    return UNIT
+
+
+def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None = 0, rounds=None, cost=None):
+    """Every step of a run, lazily and in order, as `Update`s (see the module docstring).
+
+    `rounds(u)` -> the step variants each replica runs for update u, the last of which carries the update
+    (default: one step named "step"); a round of several steps needs staleness_bound 0. `cost(variant)` -> a
+    `jaxpar.hardware.StepCost` (default: one unit of compute, free communication). Workers start on version 0 at
+    t = 0; after an update, exactly the delivering workers start their next round, on the new version. The bound
+    holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
     """
     bound = _check_staleness(staleness_bound)
     _check_int("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_int("num_updates", num_updates, 0)
-    if num_updates > MAX_SIMULATED_UPDATES:  # the whole list is simulated and held before training
-        raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
-                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
-                          f"or fewer")
-    # A worker delivers at most once per update, plus one gradient in flight: num_updates + 1 rows suffice.
-    costs = compute_times(stragglers, num_replicas, num_updates + 1).tolist()
+    rounds = rounds or (lambda update: ("step",))
+    cost = cost or _unit_cost
+    rows = _Rows(stragglers, num_replicas)
     replicas = range(num_replicas)
-    finish = [costs[0][i] for i in replicas]  # simulated finish time of each worker's current gradient
+    tolerance = TIME_TOLERANCE * cost(rounds(0)[-1]).compute
+    done = [0] * num_replicas  # steps each worker has started, i.e. its next row
     read = [0] * num_replicas  # version each worker's current (or delivered) gradient was computed on
-    done = [0] * num_replicas  # gradients each worker has started, i.e. its next row in `costs`
+    start = [0.0] * num_replicas  # when each worker started its current round
+    partial: list[list[float]] = [[] for _ in replicas]  # each worker's clock after each step of its round
+    finish = [0.0] * num_replicas
     computing = [True] * num_replicas
     pending: list[int] = []
-    version, updates = 0, []
-    while len(updates) < num_updates:
+    version = 0
+
+    def begin(i: int, at: float) -> None:
+        variants = rounds(version)
+        if len(variants) > 1 and bound:
+            raise ConfigError("a round of several steps needs staleness bound 0 (replicas that meet)")
+        clock, marks = at, []
+        for s, variant in enumerate(variants):
+            step_cost = cost(variant)
+            clock += rows.factor(done[i], i) * step_cost.compute + (step_cost.comm if s < len(variants) - 1 else 0.0)
+            done[i] += 1
+            marks.append(clock)
+        start[i], partial[i], finish[i], computing[i], read[i] = at, marks, clock, True, version
+
+    for i in replicas:
+        begin(i, 0.0)
+    while True:
         now = min(finish[i] for i in replicas if computing[i])
         for i in replicas:
-            if computing[i] and finish[i] <= now + TIME_TOLERANCE:
+            if computing[i] and finish[i] <= now + tolerance:
                 computing[i] = False
                 pending.append(i)
         # Checking only the oldest in-flight read is enough: it is the one the next update makes most stale.
         oldest = min((read[i] for i in replicas if computing[i]), default=None)
         if oldest is not None and version + 1 - oldest > bound:
             continue  # wait for the next arrival; at worst until the worker holding the bound delivers
+        steps = len(partial[pending[0]])
+        everyone = np.ones(num_replicas, bool)
+        for s in range(steps - 1):  # a round's local steps: no common clock, the mean of the replicas' clocks
+            yield Update(everyone, np.zeros(num_replicas, np.int64), float(np.mean([partial[i][s] for i in replicas])))
+        comm = cost(rounds(version)[-1]).comm
         participants = np.zeros(num_replicas, bool)
         staleness = np.zeros(num_replicas, np.int64)
         participants[pending] = True
         staleness[pending] = [version - read[i] for i in pending]
-        updates.append(Update(participants, staleness, float(now)))
+        completed = now + comm
+        yield Update(participants, staleness, float(completed))
         version += 1
+        for i in replicas:
+            if computing[i]:
+                finish[i] += comm  # the update's communication stops the world
         for i in pending:
-            done[i] += 1
-            read[i], finish[i], computing[i] = version, now + costs[done[i]][i], True
+            begin(i, completed)
         pending = []
-    return updates
+        rows.forget_before(min(done) - 1)
 
 
-CHUNK_ROWS = 4096  # rows of compute times drawn at a time by the lazy clock
+def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None,
+                num_updates: int) -> list[Update]:
+    """The first `num_updates` updates of a parameter server with unit compute and free communication (`simulate`);
+    `staleness_bound` None = ASP, 0 = BSP, S = SSP(S)."""
+    _check_staleness(staleness_bound)
+    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    _check_int("num_updates", num_updates, 0)
+    check_update_count(num_updates)
+    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound), num_updates))
 
 
-def _cost_rows(stragglers: Stragglers, num_replicas: int):
-    """Endless rows of `compute_times`, drawn CHUNK_ROWS at a time from the same seeded stream (the same numbers as
-    one big `compute_times` call: a stream drawn in pieces is the stream drawn at once)."""
-    factors = stragglers.factors(num_replicas)
-    rng = np.random.default_rng(stragglers.seed)
-    while True:
-        yield from 1.0 * factors * np.exp(stragglers.jitter * rng.standard_normal((CHUNK_ROWS, num_replicas)))
+def check_update_count(num_updates: int) -> None:
+    if num_updates > MAX_SIMULATED_UPDATES:  # a server schedule is held whole before training
+        raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
+                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
+                          f"or fewer")
+
+
+def meeting_rounds(period: int = 1, sync_steps: int = 0):
+    """`simulate`'s rounds for replicas that meet every step for `sync_steps` steps (variant "sync"), then every
+    `period` steps ("local" steps, then "meet"); period 1 from the start is sync SGD."""
+    _check_int("period (steps between replica meetings)", period, 1)
+    _check_int("sync_steps", sync_steps, 0)
+    local = ("local",) * (period - 1) + ("meet",) if period > 1 else ("meet",)
+    return lambda update: ("sync",) if update < sync_steps else local
 
 
 def bsp_clock(stragglers: Stragglers, num_replicas: int, period: int = 1, sync_steps: int = 0):
-    """The simulated clock after each step, lazily and forever: memory stays O(replicas) whatever the step count.
-
-    The first `sync_steps` steps meet every step (post-local SGD's synchronous phase), the rest every `period` steps
-    (counted from the end of the synchronous phase). One cost stream for the whole run: step k uses row k.
-    """
-    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_int("period (steps between replica meetings)", period, 1)
-    _check_int("sync_steps", sync_steps, 0)
-    clocks = np.zeros(num_replicas)
-    for k, row in enumerate(_cost_rows(stragglers, num_replicas)):
-        clocks += row
-        if k < sync_steps or (k - sync_steps + 1) % period == 0:
-            clocks[:] = clocks.max()
-            yield float(clocks[0])
-        else:
-            yield float(clocks.mean())
+    """The simulated clock after each step, lazily and forever, for replicas that meet on a fixed schedule
+    (`meeting_rounds`), unit compute and free communication: memory stays O(replicas) whatever the step count."""
+    return (u.sim_time for u in simulate(stragglers, num_replicas, 0, meeting_rounds(period, sync_steps)))
 
 
 def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period: int = 1) -> np.ndarray:
-    """[num_steps] simulated clock after each step when replicas meet every `period` steps (`bsp_clock`'s first
-    `num_steps` values; prefer `bsp_clock` for long runs, whose length you do not need up front).
+    """[num_steps] simulated clock after each step when replicas meet every `period` steps (`bsp_clock`).
 
     Sync SGD (period 1) pays the slowest replica every step. Local SGD (period H) lets each replica run its H steps
     at its own pace and pays the wait only at the meeting: clock = last meeting + max over replicas of their time

@@ -1,7 +1,7 @@
 """Stale-synchronous (SSP) and asynchronous (ASP) updates, emulated exactly on an SPMD mesh.
 
 One SPMD program cannot let replicas run out of step, so the parameter-server semantics are replayed: a host-side
-event simulation (`simulator.simulate_ps`, deterministic from the straggler profile and its seed) decides for every
+event simulation (`simulator.simulate`, deterministic from the straggler profile and its seed) decides for every
 server update which replicas deliver a gradient and on which past parameter version each was computed. The device
 keeps the last B versions of the parameters in a ring buffer (sharded like the parameters); each replica reads the
 version it was assigned, computes its gradient on its slice of the batch, and the server applies the mean of the
@@ -28,8 +28,8 @@ from jaxpar.resources import device_memory
 from jaxpar.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import StrategyBase, check_int
-from jaxpar.strategies.simulator import simulate_ps
+from jaxpar.strategies.common import Clock, StrategyBase, check_int
+from jaxpar.strategies.simulator import MAX_SIMULATED_UPDATES, check_update_count
 
 
 class SSP(StrategyBase):
@@ -47,16 +47,17 @@ class SSP(StrategyBase):
         check_int(f"{cls}(max_buffer_bytes=...)", max_buffer_bytes, 1, "None = half the device memory", optional=True)
         super().__init__(allreduce or "psum", torus_x, stragglers)
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
-        self._schedules: dict[int, list] = {}  # replica count -> simulated updates (only ever extended)
+        self.clock = Clock(self.stragglers, staleness, lambda update: ("update",))
         self._buffers: dict[int, int] = {}  # replica count -> B
 
     # --- host-side schedule (pure functions of the replica count, memoised) --------------------------------------
     def schedule(self, num_replicas: int, updates: int):
         """The simulated updates; a longer request re-simulates, and the prefix is identical."""
-        known = self._schedules.get(num_replicas, [])
+        known = self.clock.schedule(num_replicas, 0)
         if len(known) < updates:  # grows geometrically past the horizon
-            length = max(updates, self.horizon, 2 * len(known))
-            known = self._schedules[num_replicas] = simulate_ps(self.stragglers, num_replicas, self.bound, length)
+            length = max(updates, min(max(self.horizon, 2 * len(known)), MAX_SIMULATED_UPDATES))
+            check_update_count(length)
+            known = self.clock.schedule(num_replicas, length)
         return known
 
     def buffer_size(self, num_replicas: int) -> int:
@@ -78,7 +79,7 @@ class SSP(StrategyBase):
                               f"buffer holds {buffer}; plan at least as many updates as you train (horizon)")
         inputs = {"participation": update.participants.astype(np.float32),
                   "staleness": update.staleness.astype(np.int32)}
-        return Plan("update", inputs, {"sim_time": update.sim_time, "staleness_mean": float(stale.mean()),
+        return Plan("update", inputs, {"staleness_mean": float(stale.mean()),
                                        "staleness_max": float(stale.max()), "contributors": float(len(stale)),
                                        "version_buffer": float(buffer)},
                     work_fraction=len(stale) / replicas)

@@ -25,7 +25,7 @@ from jaxpar.collectives import check_allreduce  # noqa: F401  (config validates 
 from jaxpar.step import TrainState, apply_gradients, loss_and_grad, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import SimulatedClock, StrategyBase
+from jaxpar.strategies.common import Clock, StrategyBase
 
 
 class Sync(StrategyBase):
@@ -34,7 +34,7 @@ class Sync(StrategyBase):
 
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None):
         super().__init__(allreduce, torus_x, stragglers)
-        self.clock = SimulatedClock(self.stragglers)
+        self.clock = Clock(self.stragglers, 0, lambda update: ("sync",))
 
     @property
     def local_statistics(self) -> bool:
@@ -49,7 +49,7 @@ class Sync(StrategyBase):
         return shardings
 
     def plan(self, ctx, step_number: int) -> Plan:
-        return Plan("sync", {}, {"sim_time": self.clock.time_after(ctx.num_replicas, step_number)})
+        return Plan("sync")
 
     def steps(self, ctx):
         return {"sync": self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx)}
