@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    if jaxpar.distributed.is_main():
+    if jaxpar.distributed.is_main() and "explain" not in summary:
         print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
     return 0
 

@@ -30,6 +30,7 @@ from jaxpar import strategies as strategies_lib
 from jaxpar.collectives import ALLREDUCE_ALGORITHMS
 from jaxpar.data import path_kind
 from jaxpar.errors import ConfigError
+from jaxpar.hardware import PROFILES, parse_hardware
 from jaxpar.mesh import parse_mesh_spec
 from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 from jaxpar.strategies.simulator import parse_stragglers
@@ -313,6 +314,11 @@ class Config:
     stragglers: str | None = field(default=None, metadata=option(
         "simulated worker speeds: '3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded log-normal jitter "
         "(sets sim_time in the metrics)", group="strategy", check=parses(parse_stragglers), default_text="nobody slow"))
+    hardware: str | None = field(default=None, metadata=option(
+        f"price sim_time (and --explain's projection) on this hardware: a profile ({', '.join(PROFILES)}), or "
+        f"'flops=FLOP/s,alpha=s,bandwidth=B/s' (per axis: data.alpha=..., model.bandwidth=...), or a profile "
+        f"followed by such overrides; also the peak of flops_utilization", group="strategy",
+        check=parses(parse_hardware), default_text="none: every step costs 1, communication is free"))
     # --- large-batch toolkit ---
     lr_scaling: str = field(default="none", metadata=option(
         f"{' | '.join(LR_SCALINGS)}: lr x (global batch / --base-batch-size) or its square root", group="large batch",
@@ -342,6 +348,9 @@ class Config:
     tensorboard: str | None = field(default=None, metadata=option(
         "also write every logged number as TensorBoard event files into this folder (tensorboardX; view with "
         "tensorboard --logdir FOLDER)", group="run", check=_writable_folder("runs/")))
+    explain: bool = field(default=False, metadata=option(
+        "print the sharding plan, per-device memory, collectives against theory and FLOPs of every step variant "
+        "(with --hardware: projected step times), then exit without training", group="run"))
     eval_every: int = field(default=0, metadata=option(
         "evaluate on the held-out split every N steps (0: only at the end)", group="run", check=at_least(0)))
     eval_batches: int = field(default=4, metadata=option(

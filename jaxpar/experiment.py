@@ -255,10 +255,12 @@ def _train(config: Config, jsonl, board=None) -> dict:
                           loss_fn=models.loss_for(config), eval_loss_fn=models.LOSSES[config.model],
                           optimizer=make_optimizer(config, schedule), mesh=mesh,
                           rules=config.rules, strategy=strategy, grad_accum=config.grad_accum,
-                          skip_nonfinite=config.on_nonfinite == "skip")
+                          skip_nonfinite=config.on_nonfinite == "skip", hardware=config.hardware)
     except ShardingError as error:
         raise _as_flag_error(error, config) from None
     train_batches.rows = trainer.local_rows  # each process loads only its rows of every global batch
+    if config.explain:
+        return explain_run(config, trainer, train_batches)
     checkpoints = None
     if config.checkpoint_dir:
         from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
@@ -287,6 +289,18 @@ def _train(config: Config, jsonl, board=None) -> dict:
         if checkpoints is not None:
             checkpoints.close()  # every save started is durable before the run reports success
         return summary
+
+
+def explain_run(config: Config, trainer: Trainer, train_batches) -> dict:
+    """--explain: the plan, memory, collectives and FLOPs of the first batch's step variants; nothing trains."""
+    from jaxpar.explain import explain, format_explain
+
+    batch = next(iter(train_batches))
+    blocks = config.layers if config.model == "transformer" else None
+    report = explain(trainer, batch, blocks=blocks)
+    if distributed.is_main():
+        print(format_explain(report), flush=True)
+    return {"explain": report}
 
 
 def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, size_at, largest, schedule,
@@ -322,7 +336,12 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
             f"staleness)", flush=True)
 
     peak = None
-    if mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such
+    if trainer.hardware is not None:
+        peak = trainer.hardware.flops * mesh.size
+        say(f"jaxpar: sim_time is priced on {trainer.hardware.describe()}: a projection from each compiled step's "
+            f"FLOPs and collectives, not this machine's time; flops_utilization is against that profile's peak",
+            flush=True)
+    elif mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such
         from jaxpar.resources import measured_matmul_peak
 
         peak = measured_matmul_peak()
@@ -333,7 +352,7 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     # without a straggler profile sim_time is just the step count: kept in the JSONL, not printed
     logger = RunLogger(config.steps, size_at, config.log_every, jsonl, stream=None if distributed.is_main() else
                        open(os.devnull, "w"),
-                       quiet=("skipped",) if config.stragglers else ("sim_time", "skipped"), start_step=start,
+                       quiet=("skipped",) if config.stragglers or config.hardware else ("sim_time", "skipped"), start_step=start,
                        tokens_per_example=config.seq_len if config.model == "transformer" else None,
                        tensorboard=board, peak_flops=peak)
 

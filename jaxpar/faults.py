@@ -30,7 +30,9 @@ def _is_key(x) -> bool:
 def _all_finite(tree, shardings, mesh) -> jax.Array:
     """Whether every floating-point leaf of `tree` is finite. Each device sums its own shards (a NaN or infinity
     makes a sum non-finite; so would finite values summing past float32's range, beyond 1e38, a fault anyway) and
-    one all-reduce combines the devices: a global reduction per leaf would cost one collective per leaf."""
+    one all-reduce combines the devices: a global reduction per leaf would cost one collective per leaf. It runs
+    only over the axes some leaf is split over: along the others every device holds the same blocks (sync SGD's
+    state is replicated over data, so its check never crosses the data axis; `ReplicaCheck` tests that claim)."""
     leaves = jax.tree.leaves(tree)
     specs = [s.spec for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
     chosen = [(x, spec) for x, spec in zip(leaves, specs, strict=True)
@@ -38,9 +40,13 @@ def _all_finite(tree, shardings, mesh) -> jax.Array:
     if not chosen:
         return jnp.bool_(True)
 
+    split = {a for _, spec in chosen for entry in spec if entry is not None
+             for a in ((entry,) if isinstance(entry, str) else entry)}
+    axes = tuple(a for a in mesh.axis_names if a in split)
+
     def local(*blocks):
         total = sum(jnp.sum(b, dtype=jnp.float32) for b in blocks)
-        return jnp.isfinite(lax.psum(total, tuple(mesh.axis_names)))
+        return jnp.isfinite(lax.psum(total, axes) if axes else total)
 
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=P(),
                          check_vma=False)(*(x for x, _ in chosen))

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from jaxpar.config import GROUPS, OPTIONS, Config, describe
 
-_TYPES = {"int": int, "float": float, "str": str}
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}  # a bool flag takes no value
 
 
 class Flag(NamedTuple):
@@ -28,7 +28,7 @@ class Flag(NamedTuple):
 def _type_of(f: dataclasses.Field) -> type:
     name = str(f.type).split("|")[0].strip()
     if name not in _TYPES:
-        raise TypeError(f"Config.{f.name}: a flag needs an int, float or str field, not {f.type}; "
+        raise TypeError(f"Config.{f.name}: a flag needs an int, float, str or bool field, not {f.type}; "
                         f"declare it with option(..., flag=False)")
     return _TYPES[name]
 
@@ -45,6 +45,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if flags:
             section = parser.add_argument_group(group)
             for f in flags:
+                if f.type is bool:
+                    section.add_argument(f.flag, dest=f.field, action="store_const", const=True, default=None,
+                                         help=f.help.replace("%", "%%"))
+                    continue
                 optional_value = {} if f.const is None else {"nargs": "?", "const": f.const}
                 section.add_argument(f.flag, dest=f.field, type=f.type, default=None,
                                      help=f.help.replace("%", "%%"), **optional_value)

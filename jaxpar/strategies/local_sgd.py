@@ -69,6 +69,13 @@ class LocalSGD(StrategyBase):
         return shardings._replace(opt_state=self._anchor_opt_shardings(ctx), strategy_state=replica)
 
     # --- schedule ----------------------------------------------------------------------------------------------
+    def variant_shares(self) -> dict:
+        """Each step variant's share of a long run's steps (post-local SGD's synchronous steps: the first K only)."""
+        shares = {"sync": None} if self.local_after else {}
+        if self.period > 1:
+            shares["local"] = (self.period - 1) / self.period
+        return {**shares, "meet": 1 / self.period}
+
     def plan(self, ctx, step_number: int) -> Plan:
         if step_number < self.local_after:
             variant = "sync"

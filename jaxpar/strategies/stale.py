@@ -69,6 +69,10 @@ class SSP(StrategyBase):
                 max(u.staleness.max() for u in horizon)) + 1
         return self._buffers[num_replicas]
 
+    def variant_shares(self) -> dict:
+        """Each step variant's share of a long run's steps."""
+        return {"update": 1.0}
+
     def plan(self, ctx, step_number: int) -> Plan:
         replicas = ctx.num_replicas
         update = self.schedule(replicas, step_number + 1)[step_number]

@@ -48,6 +48,10 @@ class Sync(StrategyBase):
         self.check_against_mesh(ctx)
         return shardings
 
+    def variant_shares(self) -> dict:
+        """Each step variant's share of a long run's steps."""
+        return {"sync": 1.0}
+
     def plan(self, ctx, step_number: int) -> Plan:
         return Plan("sync")
 

@@ -1,0 +1,315 @@
+"""`jaxpar.explain(trainer, batch)`: where memory, communication and time go, before a single step runs.
+
+Everything is read from the trainer's own shardings and from its step variants compiled ahead of time (nothing is
+allocated, nothing trains):
+
+- the sharding plan: every parameter's shape, partition spec and bytes per device; per-device totals of
+  parameters, optimizer state, strategy state and communicator state, split into replicated and sharded bytes;
+- per compiled step variant: XLA's memory analysis (arguments, outputs, temporaries) against a device's memory;
+- per variant: its collectives grouped by kind and mesh axes (count, result bytes and bytes sent per device), next
+  to what theory says the strategy and mesh should send, and a flag on anything theory does not explain;
+- FLOPs per step (XLA's cost analysis) and the model FLOPs per token (6 x parameters, the usual forward + backward
+  estimate) where the batch holds tokens;
+- with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.hardware`), and a
+  projected mean step time for every strategy, marked as a projection.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxpar import mesh as mesh_lib
+from jaxpar.collectives import theoretical_traffic
+from jaxpar.hardware import collective_seconds
+from jaxpar.hlo import bytes_sent, collective_ops
+from jaxpar.resources import device_memory, step_bytes, step_flops
+
+DATA, FSDP, MODEL = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL
+
+
+def _path(path) -> str:
+    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    return "/".join(names[:-1] if len(names) > 1 and names[-1] == "value" else names)
+
+
+def _spec(sharding) -> str:
+    spec = getattr(sharding, "spec", ())
+    return "(" + ", ".join("None" if e is None else (e if isinstance(e, str) else "+".join(e)) for e in spec) + ")"
+
+
+def _itemsize(dtype) -> int:
+    """Bytes of one element, PRNG key dtypes included (a threefry key is 8 bytes)."""
+    return int(getattr(dtype, "itemsize", 0) or np.dtype(dtype).itemsize)
+
+
+def _placed_bytes(tree) -> dict:
+    """Per-device bytes of a tree of sharded ShapeDtypeStructs: total, replicated part, sharded part."""
+    out = dict(total=0, replicated=0, sharded=0)
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shard = sharding.shard_shape(leaf.shape) if isinstance(sharding, NamedSharding) else leaf.shape
+        size = math.prod(shard) * _itemsize(leaf.dtype)
+        out["total"] += size
+        out["sharded" if tuple(shard) != tuple(leaf.shape) else "replicated"] += size
+    return out
+
+
+def sharding_plan(trainer) -> dict:
+    """Every parameter's placement and the per-device state totals."""
+    state = trainer.abstract_state()
+    params = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+        shard = leaf.sharding.shard_shape(leaf.shape)
+        itemsize = _itemsize(leaf.dtype)
+        params.append({"name": _path(path), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+                       "spec": _spec(leaf.sharding), "bytes": math.prod(leaf.shape) * itemsize,
+                       "bytes_per_device": math.prod(shard) * itemsize})
+    totals = {part: _placed_bytes(getattr(state, field)) for part, field in
+              (("parameters", "params"), ("model_state", "model_state"), ("optimizer", "opt_state"),
+               ("strategy", "strategy_state"), ("communicator", "comm_state"))}
+    totals["all"] = {k: sum(t[k] for t in totals.values()) for k in ("total", "replicated", "sharded")}
+    return {"parameters": params, "per_device": totals}
+
+
+def _variants(trainer) -> dict[str, dict]:
+    """The step variants the strategy runs, with the inputs of one step of each and its share of the steps."""
+    strategy, ctx = trainer.strategy, trainer._ctx
+    shares = strategy.variant_shares() if hasattr(strategy, "variant_shares") else {v: None for v in trainer._steps}
+    inputs = {}
+    first = strategy.plan(ctx, 0)
+    for variant in shares:
+        inputs[variant] = first.inputs if first.variant == variant else {}
+    return {v: {"inputs": inputs[v], "share": shares[v]} for v in shares}
+
+
+def _gradient_bytes(trainer) -> int:
+    """Bytes of one replica's gradient on one device: its parameters' shards (float32 gradients of float params)."""
+    return _placed_bytes(trainer.abstract_state(neutral=True).params)["total"]
+
+
+def _fsdp_group_bytes(trainer) -> int:
+    """P_f: what one fsdp group gathers, = fsdp size x the shard of every fsdp-sharded parameter on one device."""
+    n = mesh_lib.size(trainer.mesh, FSDP)
+    total = 0
+    for leaf in jax.tree.leaves(trainer.abstract_state(neutral=True).params):
+        spec = [(e,) if isinstance(e, str) else tuple(e or ()) for e in leaf.sharding.spec]
+        if any(FSDP in axes for axes in spec):
+            total += n * math.prod(leaf.sharding.shard_shape(leaf.shape)) * _itemsize(leaf.dtype)
+    return total
+
+
+def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
+    """What the strategy and mesh should send per device in one step of `variant`, line by line."""
+    mesh, strategy = trainer.mesh, trainer.strategy
+    n = mesh_lib.replica_count(mesh)
+    communicator = getattr(strategy, "communicator", None)
+    algorithm = communicator.name if communicator is not None else "psum"
+    torus_x = getattr(communicator, "torus_x", None)
+    lines = []
+    exchanges = variant in ("sync", "meet", "update")  # a local step exchanges nothing over data
+    if n > 1 and exchanges:
+        grad = _gradient_bytes(trainer)
+        t = theoretical_traffic(algorithm, n, grad, torus_x)
+        what = "parameters" if variant == "meet" else "gradients"
+        label = {"psum": "bandwidth-optimal all-reduce, 2(N-1)/N x B", "ring": "ring, 2(N-1)/N x B",
+                 "torus2d": "2D torus, 2(N-1)/N x B", "ps": "parameter server: the root receives and sends (N-1) x B"
+                 }[algorithm]
+        line = {"axis": DATA, "what": f"{what} averaged over {n} replicas ({label}; B = {grad:,} bytes)",
+                "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
+        if algorithm == "ps":
+            line["bytes_sent_per_device"] = (n - 1) * grad  # the root's traffic, the bottleneck
+        period = getattr(strategy, "period", None)
+        if variant == "meet" and period:
+            line["per_step_over_period"] = line["bytes_sent_per_device"] / period
+            line["what"] += f"; once every {period} steps"
+        lines.append(line)
+    f = mesh_lib.size(mesh, FSDP)
+    if f > 1:
+        pf = _fsdp_group_bytes(trainer)
+        lines.append({"axis": FSDP, "what": f"ZeRO-3 over fsdp={f}: all-gather parameters (forward, backward) and "
+                      f"reduce-scatter gradients, 3 x (F-1)/F x P_f (P_f = {pf:,} bytes)",
+                      "bytes_sent_per_device": 3 * (f - 1) / f * pf, "steps": 3 * (f - 1)})
+    m = mesh_lib.size(mesh, MODEL)
+    if m > 1:
+        line = {"axis": MODEL, "what": f"tensor parallel over model={m}: activation all-reduces (Megatron: 2 in the "
+                f"forward and 2 in the backward pass per transformer block)"}
+        if blocks:
+            line["all_reduces"] = 4 * blocks
+            line["what"] += f"; {blocks} blocks -> {4 * blocks}"
+        lines.append(line)
+    return lines
+
+
+def _expected(op, variant: str, trainer) -> bool:
+    """Whether theory explains a collective: an unexpected one (e.g. an all-gather over data) is flagged."""
+    axes = set(op.axes or ())
+    communicator = getattr(trainer.strategy, "communicator", None)
+    explicit = communicator is not None and not communicator.native
+    if op.bytes <= 64 and op.kind == "all-reduce":
+        return True  # scalars: metric means and the non-finite flag
+    if DATA in axes:
+        if op.kind == "all-reduce":
+            return variant != "local"
+        if op.kind == "collective-permute":
+            return explicit and variant != "local"
+        return op.kind == "reduce-scatter" and FSDP in axes  # gradients over data and fsdp in one op
+    if FSDP in axes:
+        return op.kind in ("all-gather", "reduce-scatter", "all-reduce")
+    if MODEL in axes:
+        return op.kind in ("all-reduce", "all-gather", "reduce-scatter")
+    return False
+
+
+def _communication(ops, variant, trainer, profile) -> list[dict]:
+    groups: dict = {}
+    for op in ops:
+        key = (op.kind, "+".join(op.axes) if op.axes else "-", op.group)
+        entry = groups.setdefault(key, {"kind": op.kind, "axes": key[1], "group": op.group, "count": 0, "bytes": 0,
+                                        "bytes_sent_per_device": 0.0, "unexpected": 0})
+        entry["count"] += 1
+        entry["bytes"] += op.bytes
+        entry["bytes_sent_per_device"] += bytes_sent(op)
+        entry["unexpected"] += not _expected(op, variant, trainer)
+        if profile is not None:
+            entry["seconds"] = entry.get("seconds", 0.0) + collective_seconds(op, profile)
+    return sorted(groups.values(), key=lambda e: (e["axes"], e["kind"]))
+
+
+def _tokens(batch) -> int | None:
+    """Tokens of a batch whose input is a 2-D integer array (a language model's), else None."""
+    for value in batch.values():
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and np.dtype(dtype).kind in "iu" and len(value.shape) == 2:
+            return int(value.shape[0] * value.shape[1])
+    return None
+
+
+def explain(trainer, batch, blocks: int | None = None) -> dict:
+    """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
+    or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
+    With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing."""
+    profile, mesh = trainer.hardware, trainer.mesh
+    out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
+           "device_memory": device_memory(mesh), "plan": sharding_plan(trainer), "variants": {},
+           "hardware": None if profile is None else {"name": profile.name, "describe": profile.describe(),
+                                                     "source": profile.source}}
+    parameters = sum(math.prod(p["shape"]) for p in out["plan"]["parameters"])
+    tokens = _tokens(batch)
+    out["parameters"] = parameters
+    out["model_flops_per_token"] = 6 * parameters if tokens else None
+    for variant, facts in _variants(trainer).items():
+        compiled = trainer.compiled_step(variant, batch, facts["inputs"])
+        ops = collective_ops(compiled, mesh)
+        flops = step_flops(compiled)
+        entry = {"share": facts["share"], "memory": step_bytes(compiled),
+                 "flops_per_device": flops, "flops": None if flops is None else flops * mesh.size,
+                 "communication": _communication(ops, variant, trainer, profile),
+                 "theory": theory(trainer, variant, blocks)}
+        entry["unexpected"] = sum(c["unexpected"] for c in entry["communication"])
+        if tokens and flops:
+            entry["flops_per_token"] = flops * mesh.size / tokens
+        if profile is not None:
+            trainer._price(variant, compiled)
+            cost = trainer.step_costs[variant]
+            entry["projected_seconds"] = {"compute": cost.compute, "communication": cost.comm,
+                                          "step": cost.compute + cost.comm}
+        out["variants"][variant] = entry
+    if profile is not None:
+        out["projection"] = project(out["variants"], trainer)
+    return out
+
+
+def _exchange_seconds(entry) -> tuple[float, float]:
+    """(seconds of collectives over the data axis, seconds of the rest) of a compiled variant."""
+    over_data = sum(c.get("seconds", 0.0) for c in entry["communication"] if DATA in c["axes"].split("+"))
+    return over_data, entry["projected_seconds"]["communication"] - over_data
+
+
+def project(variants: dict, trainer) -> dict:
+    """Projected mean seconds per step of each strategy, from this trainer's compiled variants: its own exactly (the
+    variants weighted by their share of steps); the others from the parts of its exchanging variant (compute, the
+    collectives within a replica, the exchange over data) and its local variant if it has one (else a local step is
+    taken to be compute and within-replica collectives only), with no stragglers."""
+    own = trainer.strategy.name
+    result = {own: {"seconds": sum(v["projected_seconds"]["step"] * (v["share"] or 0) for v in variants.values()),
+                    "how": "this run's compiled variants, weighted by their share of steps"}}
+    exchanging = next((v for name, v in variants.items() if name in ("sync", "meet", "update")), None)
+    if exchanging is None:
+        return result
+    over_data, inside = _exchange_seconds(exchanging)
+    full = exchanging["projected_seconds"]["step"]
+    local = variants["local"]["projected_seconds"]["step"] if "local" in variants else full - over_data
+    period = getattr(trainer.strategy, "period", None) or 4
+    averaged = ((period - 1) * local + full) / period
+    for name, seconds, how in (
+            ("sync", full, "compute, within-replica collectives and the exchange over data every step"),
+            ("local_sgd", averaged, f"{period - 1} local steps, then a meeting (H = {period})"),
+            ("diloco", averaged, f"{period - 1} local steps, then a meeting (H = {period})"),
+            ("ssp", full, "an exchange per update; with stragglers it waits less than sync"),
+            ("asp", full, "an exchange per update; never waits for stragglers")):
+        if name != own:
+            result[name] = {"seconds": seconds, "how": how}
+    return result
+
+
+def _fmt_bytes(n) -> str:
+    return f"{n:,.0f}"
+
+
+def format_explain(report: dict) -> str:
+    """The human-readable text of an `explain` report."""
+    mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    lines = [f"jaxpar explain: strategy {report['strategy']} on mesh {mesh} ({report['devices']} devices); "
+             f"{report['parameters']:,} parameters; nothing was trained", "", "sharding plan (per device):"]
+    width = max((len(p["name"]) for p in report["plan"]["parameters"]), default=4)
+    for p in report["plan"]["parameters"]:
+        lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<16} {p['spec']:<22} {p['bytes_per_device']:>12,} of "
+                     f"{p['bytes']:,} bytes")
+    for part, t in report["plan"]["per_device"].items():
+        if t["total"] or part == "all":
+            lines.append(f"  {part + ':':<14} {t['total']:>12,} bytes per device ({t['replicated']:,} replicated, "
+                         f"{t['sharded']:,} sharded)")
+    memory = report["device_memory"]
+    for name, v in report["variants"].items():
+        share = f", {v['share']:.3g} of the steps" if v["share"] is not None else ""
+        lines += ["", f"step variant {name!r}{share}:"]
+        m = v["memory"]
+        if m:
+            lines.append(f"  memory per device: {m['total']:,} bytes of {memory:,} (arguments {m['arguments']:,}, "
+                         f"outputs {m['outputs']:,}, temporaries {m['temporaries']:,}, donated {m['donated']:,})")
+        if v["flops"]:
+            per_token = f"; {v['flops_per_token']:,.0f} per token" if v.get("flops_per_token") else ""
+            lines.append(f"  FLOPs per step: {v['flops']:,.0f} on all devices ({v['flops_per_device']:,.0f} per "
+                         f"device){per_token}")
+        lines.append("  collectives (compiled HLO): kind over axes (group) x count: result bytes, sent per device")
+        for c in v["communication"]:
+            flag = f"   <- UNEXPECTED x{c['unexpected']}: not explained by the strategy and mesh" if c["unexpected"] else ""
+            seconds = f", {c['seconds'] * 1e6:,.1f} us projected" if "seconds" in c else ""
+            lines.append(f"    {c['kind']} over {c['axes']} (g={c['group']}) x {c['count']}: {_fmt_bytes(c['bytes'])}, "
+                         f"sent {_fmt_bytes(c['bytes_sent_per_device'])}{seconds}{flag}")
+        if not v["communication"]:
+            lines.append("    none")
+        for t in v["theory"]:
+            expected = (f": {t['bytes_sent_per_device']:,.0f} bytes sent per device in {t['steps']} steps"
+                        if "bytes_sent_per_device" in t else "")
+            over = (f" ({t['per_step_over_period']:,.0f} per step averaged over the period)"
+                    if "per_step_over_period" in t else "")
+            lines.append(f"  theory, {t['axis']}: {t['what']}{expected}{over}")
+        if "projected_seconds" in v:
+            p = v["projected_seconds"]
+            lines.append(f"  PROJECTED on {report['hardware']['name']}: compute {p['compute'] * 1e3:.4g} ms + "
+                         f"communication {p['communication'] * 1e3:.4g} ms = {p['step'] * 1e3:.4g} ms per step")
+    if "projection" in report:
+        lines += ["", f"PROJECTED mean step time per strategy on {report['hardware']['describe']} (a projection "
+                  f"from the alpha-beta cost model, not a measurement; no overlap of compute and communication):"]
+        for name, p in report["projection"].items():
+            lines.append(f"  {name:<10} {p['seconds'] * 1e3:10.4g} ms   ({p['how']})")
+        lines.append(f"  profile numbers: {report['hardware']['source']}")
+    flagged = sum(v["unexpected"] for v in report["variants"].values())
+    lines += ["", f"{flagged} collective(s) not explained by theory" + (
+        " (an unexpected all-gather or all-to-all usually means a resharding: check the sharding rules)"
+        if flagged else "")]
+    return "\n".join(lines)
