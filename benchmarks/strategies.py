@@ -1,11 +1,16 @@
-"""Update strategies with a straggler: steps, simulated time and wall time to a target loss, and held-out quality.
+"""Update strategies under two hardware profiles: steps and simulated seconds to a target loss, and held-out quality.
 
     python benchmarks/strategies.py                                   # both tasks, default steps
     python benchmarks/strategies.py --task mlp --max-steps 320 --out benchmarks/strategies.jsonl
 
-Mesh "4x2" (4 data replicas x 2-way tensor parallel); replica 3 computes 2x slower than the others
-(`stragglers="3:2.0"`, no jitter). Strategies, all built from the library classes with that straggler profile:
-sync, local_sgd H=4, local_sgd H=16, diloco (H=4, outer Nesterov lr 0.7 / momentum 0.9), ssp S=2, asp.
+Mesh "4x2" (4 data replicas x 2-way tensor parallel). Strategies, all built from the library classes: sync,
+local_sgd H=4, local_sgd H=16, diloco (H=4, outer Nesterov lr 0.7 / momentum 0.9), ssp S=2, asp.
+
+Scenarios (`SCENARIOS`): "fast link" = profile `a100-nvlink` (every axis NVLink), nobody slow; "slow link +
+straggler" = profile `a100-eth10` (the data axis on 10 Gb/s Ethernet) with replica 3 computing 2x slower
+(`stragglers="3:2.0"`). Sync and local SGD / DiLoCo apply the same updates whoever is slow, so each trains once and
+its clock is priced under both scenarios; SSP / ASP decide who delivers from the straggler profile, so they train
+once per scenario (without a straggler they are sync SGD, update for update).
 
 Tasks (real data, adam lr 3e-3, dropout 0, seed 0, every strategy sees the same batches in the same order):
 
@@ -14,29 +19,15 @@ Tasks (real data, adam lr 3e-3, dropout 0, seed 0, every strategy sees the same 
 - `transformer`: a small byte-level LM (1 layer, d_model 64, 4 heads, d_ff 256, seq_len 64), global batch 32, on
   the first MiB of the default corpus; held-out: mean loss (nats/byte) over 4 batches of its last 5%.
 
-Every strategy trains the full `--max-steps` updates (`jaxpar.Trainer.fit`; its `on_step` collects `loss`, `sim_time`
-and the other metrics). The loss is noisy per step, so "reached" uses the 10-step trailing mean of the training
-loss. The target is `--target-loss` or, by default, the lowest 10-step mean the sync run reaches within the first
-half of its steps (rounded up to 3 decimals): sync reaches it at about max_steps / 2 by construction, and the
-others are measured against it. "sim t" is the simulated clock (`sim_time`: a fast replica's gradient costs 1.0,
-the straggler's 2.0; communication is free) at that step; "wall" is seconds of training after compilation
-(each trainer is compiled and warmed up on a throw-away state first, "setup" seconds, not counted).
+Every strategy trains the full `--max-steps` updates (`jaxpar.Trainer.fit`). The loss is noisy per step, so
+"reached" uses the 10-step trailing mean of the training loss. The target is `--target-loss` or, by default, the
+lowest 10-step mean the sync run reaches within the first half of its steps (rounded up to 3 decimals).
 
-How to read it: a step of sync or of local SGD / DiLoCo costs the straggler's 2.0 simulated seconds (local SGD
-lets replicas run at their own pace between meetings, but with a constant straggler the fast ones still wait for
-it at every meeting; only jitter would be hidden), while SSP/ASP apply an update whenever gradients arrive (about
-every 1.0), some of them stale or from only 3 of 4 replicas. Local SGD / DiLoCo save communication (a meeting
-every H steps instead of an all-reduce every step), which this clock does not charge. For local SGD / DiLoCo
-the training loss is the mean of the replicas' own losses, while `trainer.evaluate` uses the anchor (the
-parameters of the last meeting), so the default step counts are multiples of 16 to end on a meeting.
-
-Mesh: "4x2" is the default (16 digits / 8 sequences per replica). `--mesh 8` was measured too and is not better:
-the same total time (77.1 s vs 76.4 s), sync the same result to every printed digit (it is mesh-invariant), and
-local SGD worse (its replicas average models that each saw only 8 digits / 4 sequences per step). On 4x2 every
-step also carries the tensor-parallel all-reduces over `model`, so a local SGD step, which has no gradient
-all-reduce over `data`, is not cheaper in wall time here.
-
-All wall times are from 8 CPU devices emulated on 2 shared cores; the simulated clock is the number to compare.
+Simulated seconds: each step variant is compiled, and priced by `jaxpar.hardware` (its FLOPs per device / the
+profile's peak, plus the alpha-beta cost of the collectives its HLO contains on the links of the axes they span);
+the one event simulator (`jaxpar.strategies.simulator.simulate`) turns those prices and the straggler profile into
+the clock, exactly as `Trainer(hardware=...)` / `run.py --hardware` does. It is a projection onto the profile's
+hardware, not a measurement; wall times on this machine are in the JSON rows.
 """
 
 import argparse
@@ -53,18 +44,39 @@ import jaxpar  # noqa: E402
 STRAGGLERS = "3:2.0"
 DEFAULT_STEPS = {"mlp": 320, "transformer": 320}
 SMOOTH = 10  # trailing window of the smoothed loss
+# (label, hardware profile, straggler profile): the simulated clock of every run is priced under each
+SCENARIOS = (("fast link", "a100-nvlink", None), ("slow link + straggler", "a100-eth10", STRAGGLERS))
 
 
 def strategies(steps):
-    """(label, factory) in the order they run; sync first: the default target comes from it."""
+    """(label, factory(stragglers), whether its updates depend on the straggler profile); sync first: the default
+    target comes from it. Sync and local SGD / DiLoCo apply the same updates whoever is slow (only their clock
+    changes); SSP / ASP's schedule of who delivers depends on it, so they train once per straggler profile."""
     return [
-        ("sync", lambda: jaxpar.Sync(stragglers=STRAGGLERS)),
-        ("local_sgd H=4", lambda: jaxpar.LocalSGD(period=4, stragglers=STRAGGLERS)),
-        ("local_sgd H=16", lambda: jaxpar.LocalSGD(period=16, stragglers=STRAGGLERS)),
-        ("diloco H=4", lambda: jaxpar.DiLoCo(period=4, stragglers=STRAGGLERS)),
-        ("ssp S=2", lambda: jaxpar.SSP(staleness=2, stragglers=STRAGGLERS, horizon=steps)),
-        ("asp", lambda: jaxpar.ASP(stragglers=STRAGGLERS, horizon=steps)),
+        ("sync", lambda s: jaxpar.Sync(stragglers=s), False),
+        ("local_sgd H=4", lambda s: jaxpar.LocalSGD(period=4, stragglers=s), False),
+        ("local_sgd H=16", lambda s: jaxpar.LocalSGD(period=16, stragglers=s), False),
+        ("diloco H=4", lambda s: jaxpar.DiLoCo(period=4, stragglers=s), False),
+        ("ssp S=2", lambda s: jaxpar.SSP(staleness=2, stragglers=s, horizon=steps), True),
+        ("asp", lambda s: jaxpar.ASP(stragglers=s, horizon=steps), True),
     ]
+
+
+def priced_times(trainer, strategy, hardware, batch, steps):
+    """sim_time after each step of `trainer`'s run, priced on `hardware` from its compiled step variants (the same
+    event simulation and cost model as `Trainer(hardware=...)`)."""
+    from jaxpar.hardware import parse_hardware, step_cost
+    from jaxpar.hlo import collective_ops
+    from jaxpar.resources import step_flops
+
+    profile = parse_hardware(hardware)
+    first = strategy.plan(trainer._ctx, 0)
+    costs = {}
+    for variant in strategy.variant_shares():
+        compiled = trainer.compiled_step(variant, batch, first.inputs if first.variant == variant else {})
+        costs[variant] = step_cost(step_flops(compiled), collective_ops(compiled, trainer.mesh), profile)
+    clock = strategy.clock.priced(costs.__getitem__)
+    return [clock.time_after(trainer.num_replicas, n) for n in range(steps)], costs
 
 
 def make_task(name):
@@ -138,7 +150,7 @@ def run_strategy(task, label, strategy, mesh, steps, task_parts):
     wall = time.perf_counter() - started
     for record, value in zip(records, smoothed([r["loss"] for r in records])):
         record["smoothed_loss"] = value
-    return records, held_out(trainer, state), wall, setup
+    return records, held_out(trainer, state), wall, setup, trainer
 
 
 def main():
@@ -166,26 +178,37 @@ def main():
             parts = make_task(task)
             target = args.target_loss
             rows = []
-            for label, build in strategies(steps):
-                records, held, wall, setup = run_strategy(task, label, build(), mesh, steps, parts)
-                if target is None:  # sync runs first
-                    half = records[: max(steps // 2, 1)]
-                    target = math.ceil(min(r["smoothed_loss"] for r in half) * 1000) / 1000
-                    print(f"{task}: target = {target:.3f}, the lowest {SMOOTH}-step mean training loss of sync "
-                          f"within its first {len(half)} steps", flush=True)
-                hit = first_reaching(records, target)
-                row = {"task": task, "strategy": label, "mesh": args.mesh, "stragglers": STRAGGLERS,
-                       "max_steps": steps, "target_loss": target,
-                       "steps_to_target": hit["step"] if hit else None,
-                       "sim_time_to_target": hit["sim_time"] if hit else None,
-                       "wall_to_target": hit["wall"] if hit else None,
-                       "final_smoothed_loss": records[-1]["smoothed_loss"], "final_sim_time": records[-1]["sim_time"],
-                       "wall_seconds": wall, "setup_seconds": setup, **held}
-                rows.append(row)
-                print(f"  {label:15s} done: {wall:.1f} s training, {setup:.1f} s setup", flush=True)
-                if out:
-                    for record in records:
-                        out.write(json.dumps(record) + "\n")
+            for label, build, scheduled in strategies(steps):
+                runs = {}  # straggler profile -> the run (sync / local SGD: one run serves every scenario)
+                for scenario, hardware, stragglers in SCENARIOS:
+                    key = stragglers if scheduled else None
+                    if key not in runs:
+                        strategy = build(key)
+                        runs[key] = (strategy, *run_strategy(task, label, strategy, mesh, steps, parts))
+                        print(f"  {label:15s} stragglers {key or 'none'}: {runs[key][3]:.1f} s training, "
+                              f"{runs[key][4]:.1f} s setup", flush=True)
+                    strategy, records, held, wall, setup, trainer = runs[key]
+                    if target is None:  # sync runs first
+                        half = records[: max(steps // 2, 1)]
+                        target = math.ceil(min(r["smoothed_loss"] for r in half) * 1000) / 1000
+                        print(f"{task}: target = {target:.3f}, the lowest {SMOOTH}-step mean training loss of sync "
+                              f"within its first {len(half)} steps", flush=True)
+                    clocked = build(stragglers)  # the scenario's straggler profile prices the clock
+                    batch = next(iter(parts[2](0)))
+                    times, costs = priced_times(trainer, clocked, hardware, batch, steps)
+                    hit = first_reaching(records, target)
+                    row = {"task": task, "strategy": label, "scenario": scenario, "hardware": hardware,
+                           "mesh": args.mesh, "stragglers": stragglers, "max_steps": steps, "target_loss": target,
+                           "steps_to_target": hit["step"] if hit else None,
+                           "sim_seconds_to_target": times[hit["step"] - 1] if hit else None,
+                           "wall_to_target": hit["wall"] if hit else None,
+                           "final_smoothed_loss": records[-1]["smoothed_loss"], "final_sim_seconds": times[-1],
+                           "step_costs": {v: {"compute": c.compute, "comm": c.comm} for v, c in costs.items()},
+                           "wall_seconds": wall, "setup_seconds": setup, **held}
+                    rows.append(row)
+                    if out:
+                        for record, t in zip(records, times):
+                            out.write(json.dumps({**record, "scenario": scenario, "sim_seconds": t}) + "\n")
             summaries.append((task, steps, target, rows))
             print_table(task, steps, target, rows, args.mesh)
     finally:
@@ -198,21 +221,29 @@ def main():
 
 
 def print_table(task, steps, target, rows, mesh):
-    metric = "test acc" if task == "mlp" else "val loss"
-    print(f"\n{task}: mesh {mesh}, stragglers {STRAGGLERS}, {steps} steps, target smoothed loss {target:.3f}")
-    print(f"{'strategy':16s}{'steps':>7s}{'sim t':>8s}{'wall s':>8s}{'| final:':>9s}{'loss':>7s}{'sim t':>8s}"
-          f"{'wall s':>8s}{metric:>10s}")
-    print(f"{'':16s}{'--- to target ---':>23s}{'|':>2s}")
+    metric = "test_accuracy" if task == "mlp" else "val_loss"
+    scenarios = [name for name, _, _ in SCENARIOS]
+    print(f"\n{task}: mesh {mesh}, {steps} steps, target smoothed loss {target:.3f}; simulated seconds (a "
+          f"projection: compiled FLOPs / peak + alpha-beta cost of the compiled collectives)\n")
+    print("| strategy | " + " | ".join(f"{s}: steps | {s}: sim ms to target" for s in scenarios) +
+          f" | final loss | {metric} |")
+    print("|---" * (2 + 2 * len(scenarios) + 1) + "|")
+    by_strategy: dict = {}
     for r in rows:
-        reached = r["steps_to_target"] is not None
-        to_target = (f"{r['steps_to_target']:7d}{r['sim_time_to_target']:8.1f}{r['wall_to_target']:8.2f}"
-                     if reached else f"{'never':>7s}{'-':>8s}{'-':>8s}")
-        value = r["test_accuracy"] if task == "mlp" else r["val_loss"]
-        print(f"{r['strategy']:16s}{to_target}{'|':>2s}{'':7s}{r['final_smoothed_loss']:7.3f}{r['final_sim_time']:8.1f}"
-              f"{r['wall_seconds']:8.2f}{value:10.4f}")
-    print(f"to target: the first step whose {SMOOTH}-step mean training loss is <= {target:.3f}, the simulated clock "
-          f"and training wall seconds then; final: {SMOOTH}-step mean loss, simulated clock and wall seconds after "
-          f"{steps} steps, {metric} held out (local SGD / DiLoCo: of the anchor)")
+        by_strategy.setdefault(r["strategy"], {})[r["scenario"]] = r
+    for label, cells in by_strategy.items():
+        parts = []
+        for s in scenarios:
+            r = cells[s]
+            parts.append("never | -" if r["steps_to_target"] is None else
+                         f"{r['steps_to_target']} | {r['sim_seconds_to_target'] * 1e3:.3f}")
+        last = cells[scenarios[-1]]
+        print(f"| {label} | " + " | ".join(parts) + f" | {last['final_smoothed_loss']:.3f} | {last[metric]:.4f} |")
+    profiles = "; ".join(f"{name}: {hardware}, stragglers {stragglers or 'none'}" for name, hardware, stragglers
+                         in SCENARIOS)
+    print(f"\nscenarios: {profiles}. steps: the first step whose {SMOOTH}-step mean training loss is <= "
+          f"{target:.3f}; sim ms: the simulated clock then. Final loss and {metric} of the slow-link run (local SGD / "
+          f"DiLoCo: the anchor's). Step costs (compute, comm in seconds) per variant are in the JSON rows.")
 
 
 if __name__ == "__main__":

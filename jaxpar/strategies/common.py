@@ -105,7 +105,9 @@ class Clock:
         if stream is None:
             stream = simulate(self.stragglers, num_replicas, self.bound, self.rounds, self.cost)
             self._times[num_replicas] = (stream, times)
-        if step_number >= len(times):  # extended geometrically
-            wanted = max(2 * step_number + 1, 1024) - len(times)
+        if step_number >= len(times):
+            # unit cost: extended geometrically; priced: only as far as asked, so every step is priced with its
+            # variants' costs when it runs (a new batch shape re-prices the steps after it, never the ones before)
+            wanted = (max(2 * step_number + 1, 1024) if self.cost is None else step_number + 1) - len(times)
             times.extend(u.sim_time for u in itertools.islice(stream, wanted))
         return times[step_number]
