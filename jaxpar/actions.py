@@ -117,7 +117,8 @@ class StopIfDiverged(Action):
 
         loss = event.metrics.get("loss", 0.0)
         if event.metrics.get("skipped"):
-            event.metrics["examples"] = 0.0  # nothing was applied: throughput counts applied examples only
+            # throughput counts applied examples only: none, or under a local SGD step the replicas that did not skip
+            event.metrics["examples"] = event.metrics.get("examples", 0.0) * (1.0 - event.metrics["skipped"])
             self.skipped += 1
             self.in_a_row += 1
             event.metrics["skipped_steps"] = float(self.skipped)

@@ -36,8 +36,10 @@ STEP_KEYS = {
     "flops_utilization": "flops_per_sec / peak (--hardware: its peak x devices; else on CPU a measured matmul peak)",
     "includes_compilation": "true when the record's time includes a compilation",
     "sim_time": "the simulated clock (the step count without stragglers and hardware; projected seconds with --hardware)",
-    "skipped": "1.0 when a non-finite step left the state unchanged (--on-nonfinite skip)",
-    "nonfinite": "1.0 when the step's loss or update is not finite (--on-nonfinite abort)",
+    "skipped": "1.0 when a non-finite step left the state unchanged (--on-nonfinite skip); a local SGD / DiLoCo local "
+               "step checks each replica alone: the fraction of replicas that kept their state",
+    "nonfinite": "1.0 when the step's loss or update is not finite (--on-nonfinite abort); a local step: the fraction "
+                 "of replicas whose own step is not",
     "skipped_steps": "skipped steps so far (once there is one)",
     "replica_divergence": "local SGD / DiLoCo meetings: mean over replicas of |theta_i - mean| / |mean|",
     "staleness_mean": "SSP / ASP: mean staleness of the applied gradients",

@@ -115,7 +115,7 @@ class Trainer:
         model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh, strict)
         opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
         self._ctx = StepContext(graphdef, abs_params, self._loss_fn, optimizer, mesh, param_sh, model_state_sh,
-                                opt_sh, grad_accum, getattr(self.strategy, "communicator", None))
+                                opt_sh, grad_accum, getattr(self.strategy, "communicator", None), skip_nonfinite)
         comm = self._ctx.communicator
         comm_sh = () if comm is None else jax.tree.map(
             lambda _: shd.replicated(mesh), jax.eval_shape(comm.init, abs_params))
@@ -138,7 +138,9 @@ class Trainer:
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._steps = {name: jax.jit(functools.partial(self._traced_step, name, fn),
                                      in_shardings=(self.state_shardings, self.batch_sharding, None),
-                                     out_shardings=(self.state_shardings, shd.replicated(mesh)), donate_argnums=0)
+                                     # metrics: scalars (replicated) or per-replica [R] arrays, left where
+                                     # they are (gathering them would be a collective over the replica axis)
+                                     out_shardings=(self.state_shardings, None), donate_argnums=0)
                        for name, fn in self.strategy.steps(self._ctx).items()}
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
@@ -179,7 +181,9 @@ class Trainer:
 
     def _traced_step(self, name, fn, state, batch, inputs):
         out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
-        if self.skip_nonfinite:
+        if getattr(fn, "guards_itself", False):
+            pass  # the strategy's step checked (and under skip, kept) each replica's state itself
+        elif self.skip_nonfinite:
             out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
         else:
             out = flag_if_not_finite(*out, self.state_shardings, self.mesh)
@@ -479,7 +483,8 @@ class Trainer:
     def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
         step, metrics = pending
         wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
-        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(metrics).items()}
+        # a per-replica metric ([R], from a step that sends nothing between replicas) is reported as its mean
+        host = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
         is_last = step == last
         for action in actions:
             if not action.due(step, is_last):

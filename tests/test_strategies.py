@@ -117,7 +117,7 @@ def test_local_step_has_no_cross_replica_collective_on_parameters():
     meet = compiled_stats(trainer, state, "meet")
     assert local.get("collective-permute", {"count": 0})["count"] == 0
     assert local.get("all-gather", {"count": 0})["count"] == 0
-    assert local.get("all-reduce", {"bytes": 0})["bytes"] <= 64  # only the scalar metrics' mean
+    assert local.get("all-reduce", {"count": 0})["count"] == 0  # not even the metric means or the non-finite flag
     assert meet["all-reduce"]["bytes"] >= param_bytes  # the meeting averages every parameter
 
 
@@ -314,3 +314,25 @@ def test_only_batch_statistics_are_averaged_across_replicas():
     seen = [float(s.data) for s in state.model_state["seen"].get_value().addressable_shards]
     assert stat == pytest.approx(x.sum(axis=1).mean())  # BatchStat: the mean over replicas
     assert seen == pytest.approx(list(x.sum(axis=1)))  # the user's variable: each replica keeps its own
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_local_step_checks_each_replica_on_its_own(skip):
+    """A NaN in replica 3's slice: under skip only replica 3 keeps its state (the others take their step), and the
+    step's per-replica `skipped` is [0, 0, 0, 1]; without skip it is flagged as `nonfinite` for replica 3 alone."""
+    trainer = trainer_for("mlp", "4x2", strategy=jaxpar.LocalSGD(period=4), skip_nonfinite=skip)
+    state = trainer.init(0)
+    before = jax.device_get(state.strategy_state["params"])
+    batch = batch_for("mlp", size=16)
+    batch["image"][12:] = np.nan  # replica 3's rows
+    state, metrics = trainer.step(state, batch, 0)
+    flag = np.asarray(jax.device_get(metrics["skipped" if skip else "nonfinite"]))
+    np.testing.assert_array_equal(flag, [0.0, 0.0, 0.0, 1.0])
+    after = jax.device_get(state.strategy_state["params"])
+    kernel_before, kernel_after = before["hidden"]["kernel"], after["hidden"]["kernel"]
+    assert not np.array_equal(kernel_after[0], kernel_before[0])  # replica 0 took its step
+    if skip:
+        np.testing.assert_array_equal(kernel_after[3], kernel_before[3])  # replica 3 kept its state
+    else:
+        assert not np.isfinite(kernel_after[3]).all()
+    assert np.isfinite(kernel_after[:3]).all()

@@ -6,7 +6,9 @@ A strategy is a small object of pure functions, in the spirit of optax's `Gradie
   per-replica parameters to `strategy_state`;
 - `shardings(ctx, shardings) -> shardings`: the `NamedSharding`s of what `init` returns;
 - `steps(ctx) -> {variant: step}`: pure functions `step(state, batch, inputs) -> (state, metrics)`; the trainer
-  jits each once. Several variants exist when communication differs between steps (local SGD's local step has
+  jits each once and adds the non-finite check, unless the step has `guards_itself = True` (local SGD's local step
+  checks each replica on its own, so that nothing crosses the replica axis); metrics are scalars, or one value
+  per replica (`[R]` arrays, averaged on the host) from a step that sends nothing between replicas. Several variants exist when communication differs between steps (local SGD's local step has
   no collective at all; its averaging step does);
 - `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small per-step
   arrays it needs (participation flags, staleness indices) and host-side metrics (simulated time).
@@ -44,6 +46,7 @@ class StepContext(NamedTuple):
     opt_shardings: Any  # NamedShardings of the optimizer state
     grad_accum: int = 1  # microbatches per update (gradient accumulation)
     communicator: Communicator | None = None  # the strategy's averaging algorithm (None: the compiler's)
+    skip_nonfinite: bool = True  # a step that checks itself (`guards_itself`): skip (True) or flag a non-finite one
 
     @property
     def num_replicas(self) -> int:

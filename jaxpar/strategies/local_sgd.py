@@ -89,24 +89,28 @@ class LocalSGD(StrategyBase):
     def steps(self, ctx):
         return {"local": self._local_step(ctx), "meet": self._meet_step(ctx), "sync": self._sync_step(ctx)}
 
-    def _replica_update(self, ctx, replica, batch, key, average: bool, comm_state=()):
+    def _replica_update(self, ctx, replica, batch, key, average: bool, comm_state=(), mean_metrics=True):
         grads, model_state, metrics, comm_state = rep.replica_step(
-            ctx, replica["params"], replica["model_state"], batch, key, average=average, comm_state=comm_state)
+            ctx, replica["params"], replica["model_state"], batch, key, average=average, comm_state=comm_state,
+            mean_metrics=mean_metrics)
         params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)
         return {"params": params, "opt_state": opt_state, "model_state": model_state}, metrics, comm_state
 
     def _local_step(self, ctx):
         def own(replica, batch, key):
-            replica, metrics, _ = self._replica_update(ctx, rep.take_own(replica), batch, key, average=False)
-            return rep.as_own(replica), metrics
+            old = rep.take_own(replica)
+            new, metrics, _ = self._replica_update(ctx, old, batch, key, average=False, mean_metrics=False)
+            new, metrics = rep.guard_finite(ctx, old, new, metrics)
+            return rep.as_own(new), {k: v[None] for k, v in metrics.items()}
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, P(rep.AXIS)))
 
         def step(state, batch, inputs):
-            # no collective on parameters (only the scalar metric means)
+            # nothing crosses the replica axis: each replica's metrics ([R]) and its own non-finite check
             replica, metrics = sharded(state.strategy_state, batch, step_key(state))
             return state._replace(step=state.step + 1, strategy_state=replica), metrics
 
+        step.guards_itself = True
         return step
 
     def _sync_step(self, ctx):

@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import mesh as mesh_lib
+from jaxpar.faults import _is_key, _select
 from jaxpar.sharding import is_variable
 from jaxpar.step import loss_and_grad
 
@@ -137,12 +138,14 @@ def mean_batch_stats(model_state, weight=None):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, weight=None, comm_state=()):
+def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, weight=None, comm_state=(),
+                 mean_metrics: bool = True):
     """The per-replica step body, inside `per_replica`. Returns (grads, model_state, metrics, comm_state).
 
     `key` is the step's typed key; this replica's key is `fold_in(key, replica index)`, and model-owned RNG keys
     are folded the same way (and restored afterwards, so the state stays replica-independent). `average=False`
-    (local SGD's local step): the gradient and BatchNorm statistics stay this replica's own.
+    (local SGD's local step): the gradient and BatchNorm statistics stay this replica's own; `mean_metrics=False`:
+    so do the metrics (nothing at all crosses the replica axis).
     """
     batch = _within_replica_batch(ctx, batch)
     index = replica_index()
@@ -153,7 +156,21 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     if average:
         grads, comm_state = mean_over(ctx, grads, weight, params_like=True, comm_state=comm_state)
         new_state = mean_batch_stats(new_state, weight)
-    return grads, new_state, native_mean({"loss": loss, **metrics}, weight), comm_state
+    metrics = {"loss": loss, **metrics}
+    return grads, new_state, native_mean(metrics, weight) if mean_metrics else metrics, comm_state
+
+
+def guard_finite(ctx, old, new, metrics):
+    """Inside `per_replica`: this replica's `new` state if its loss and every floating-point leaf are finite, else
+    (with `ctx.skip_nonfinite`) its `old` one; adds the metric `skipped` (or `nonfinite` when not skipping). The
+    check reduces only within the replica (its fsdp / model devices): other replicas are not asked."""
+    leaves = [x for x in jax.tree.leaves(new) if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    total = sum((jnp.sum(x, dtype=jnp.float32) for x in leaves), jnp.float32(0))
+    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(total)
+    if not ctx.skip_nonfinite:
+        return new, {**metrics, "nonfinite": (~ok).astype(jnp.float32)}
+    kept = jax.tree.map(lambda n, o: _select(ok, n, o), new, old)
+    return kept, {**metrics, "skipped": (~ok).astype(jnp.float32)}
 
 
 def _within_replica_batch(ctx, batch):
