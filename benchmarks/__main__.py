@@ -94,6 +94,18 @@ def fsdp_summary(rows):
     return lines
 
 
+def comm_summary(rows):
+    """Per mesh and strategy: bytes the busiest device sends over data per step (variants weighted by their share)
+    against theory, and any collective theory does not explain."""
+    lines = [f"{rows[0].get('model')}: data-axis bytes sent per step by the busiest device / theory:"]
+    for r in rows:
+        theory = r.get("data_theory_per_step")
+        ratio = f"**{r['data_sent_per_step'] / theory:.3f}**" if theory else "no exchange"
+        unexpected = sum(v.get("unexpected", 0) for v in r.get("variants", {}).values())
+        lines.append(f"`{r['mesh']}` {r['strategy']}: {ratio}" + (f", {unexpected} unexpected" if unexpected else ""))
+    return lines
+
+
 def memory_summary(rows):
     lines = ["train state per device / total (sharded part per device / its total):"]
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -175,6 +187,8 @@ BENCHMARKS = [
               {True: 240, False: 900}, collectives_summary, "allreduce algorithms: collectives vs theory, steps/s"),
     Benchmark("fsdp", "collectives.py", ["--fsdp"], ["--fsdp", "--steps", "5", "--rounds", "1"],
               {True: 300, False: 1200}, fsdp_summary, "FSDP (ZeRO-3) traffic on 5 meshes vs theory"),
+    Benchmark("comm", "comm.py", ["--model", "transformer"], [], {True: 300, False: 1200}, comm_summary,
+              "collective bytes against theory for every strategy and mesh (compiled steps, no training)"),
     Benchmark("strategies", "strategies.py", [], ["--task", "mlp", "--max-steps", "160"], {True: 300, False: 1500},
               strategies_summary, "update strategies with a straggler: steps and simulated time to a target loss"),
     Benchmark("largebatch", "largebatch.py", [], ["--epochs", "5", "--seeds", "0", "--batches", "32,256,1024"],

@@ -148,6 +148,8 @@ def _expected(op, variant: str, trainer) -> bool:
     axes = set(op.axes or ())
     communicator = getattr(trainer.strategy, "communicator", None)
     explicit = communicator is not None and not communicator.native
+    if DATA in axes and variant == "local":
+        return False  # a local step sends nothing between replicas, not even its metrics
     if op.bytes <= 64 and op.kind == "all-reduce":
         return True  # scalars: metric means and the non-finite flag
     if DATA in axes:
@@ -176,6 +178,22 @@ def _communication(ops, variant, trainer, profile) -> list[dict]:
         if profile is not None:
             entry["seconds"] = entry.get("seconds", 0.0) + collective_seconds(op, profile)
     return sorted(groups.values(), key=lambda e: (e["axes"], e["kind"]))
+
+
+def busiest_sent(ops, devices: int) -> dict:
+    """Per mesh axis, the bytes the busiest device sends over it in one step: a ring algorithm's share for group
+    collectives (`jaxpar.hlo.bytes_sent`), and for a collective-permute only its sources (a parameter server's
+    root sends (N-1) x B while every other replica sends B)."""
+    per_axis: dict = {}
+    for op in ops:
+        for axis in op.axes or ():
+            sent = per_axis.setdefault(axis, np.zeros(devices))
+            if op.kind == "collective-permute":
+                for source, _ in op.pairs:
+                    sent[source] += op.bytes
+            else:
+                sent += bytes_sent(op)
+    return {axis: float(sent.max()) for axis, sent in per_axis.items()}
 
 
 def _tokens(batch) -> int | None:
@@ -207,6 +225,7 @@ def explain(trainer, batch, blocks: int | None = None) -> dict:
         entry = {"share": facts["share"], "memory": step_bytes(compiled),
                  "flops_per_device": flops, "flops": None if flops is None else flops * mesh.size,
                  "communication": _communication(ops, variant, trainer, profile),
+                 "busiest_sent": busiest_sent(ops, mesh.size),
                  "theory": theory(trainer, variant, blocks)}
         entry["unexpected"] = sum(c["unexpected"] for c in entry["communication"])
         if tokens and flops:
@@ -263,7 +282,11 @@ def format_explain(report: dict) -> str:
     """The human-readable text of an `explain` report."""
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [f"jaxpar explain: strategy {report['strategy']} on mesh {mesh} ({report['devices']} devices); "
-             f"{report['parameters']:,} parameters; nothing was trained", "", "sharding plan (per device):"]
+             f"{report['parameters']:,} parameters; nothing was trained"]
+    if report["model_flops_per_token"]:
+        lines.append(f"model FLOPs per token: {report['model_flops_per_token']:,} (6 x parameters: forward and "
+                     f"backward, the usual estimate; the compiled count per token is under each variant)")
+    lines += ["", "sharding plan (per device):"]
     width = max((len(p["name"]) for p in report["plan"]["parameters"]), default=4)
     for p in report["plan"]["parameters"]:
         lines.append(f"  {p['name']:<{width}}  {str(p['shape']):<16} {p['spec']:<22} {p['bytes_per_device']:>12,} of "
@@ -292,6 +315,9 @@ def format_explain(report: dict) -> str:
                          f"sent {_fmt_bytes(c['bytes_sent_per_device'])}{seconds}{flag}")
         if not v["communication"]:
             lines.append("    none")
+        if v["busiest_sent"]:
+            lines.append("  sent by the busiest device: " + ", ".join(
+                f"{_fmt_bytes(b)} bytes over {axis}" for axis, b in v["busiest_sent"].items()))
         for t in v["theory"]:
             expected = (f": {t['bytes_sent_per_device']:,.0f} bytes sent per device in {t['steps']} steps"
                         if "bytes_sent_per_device" in t else "")

@@ -36,9 +36,10 @@ def test_generated_flags_match_the_fields_exactly():
 def test_every_option_is_declared_with_help_group_and_a_type_the_flag_parses():
     for f in dataclasses.fields(Config):
         assert f.metadata["help"] and f.metadata["group"] in GROUPS, f.name
-    assert {flag.type for flag in FLAGS} <= {int, float, str}
+    assert {flag.type for flag in FLAGS} <= {int, float, str, bool}
     args = run.parser().parse_args(["--heads", "6", "--lr", "0.5", "--strategy", "ssp"])
-    assert (args.heads, args.lr, args.strategy, args.steps) == (6, 0.5, "ssp", None)
+    assert (args.heads, args.lr, args.strategy, args.steps, args.explain) == (6, 0.5, "ssp", None, None)
+    assert run.parser().parse_args(["--explain"]).explain is True  # a bool flag takes no value
 
 
 def test_help_and_defaults_come_from_the_declaration(capsys):

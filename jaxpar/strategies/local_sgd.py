@@ -97,13 +97,20 @@ class LocalSGD(StrategyBase):
         return {"params": params, "opt_state": opt_state, "model_state": model_state}, metrics, comm_state
 
     def _local_step(self, ctx):
+        # One process holds every replica: metrics stay per replica ([R]) and the host averages them. With several
+        # processes a process could not read the others' replicas, so the scalars are averaged on the device.
+        per_replica_metrics = jax.process_count() == 1
+
         def own(replica, batch, key):
             old = rep.take_own(replica)
             new, metrics, _ = self._replica_update(ctx, old, batch, key, average=False, mean_metrics=False)
             new, metrics = rep.guard_finite(ctx, old, new, metrics)
+            if not per_replica_metrics:
+                return rep.as_own(new), rep.native_mean(metrics)
             return rep.as_own(new), {k: v[None] for k, v in metrics.items()}
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, P(rep.AXIS)))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()),
+                                  out_specs=(SHARDED, P(rep.AXIS) if per_replica_metrics else P()))
 
         def step(state, batch, inputs):
             # nothing crosses the replica axis: each replica's metrics ([R]) and its own non-finite check
