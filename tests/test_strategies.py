@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.hlo import collective_stats
+from jaxpar.hlo import collective_ops, collective_stats
 from jaxpar.strategies.simulator import parse_stragglers, simulate_ps
 from tests.helpers import batch_for, trainer_for
 
@@ -23,7 +23,8 @@ def train(strategy, mesh="2x4", model="mlp", steps=5, optimizer=None, dropout=0.
     history = []
     for step in range(steps):
         state, metrics = trainer.step(state, batch_for(model, size=16, seed=step))
-        history.append(jax.device_get(metrics))
+        # as fit reports them: a local SGD step's per-replica metrics ([R]) by their mean
+        history.append({k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()})
     return trainer, state, history
 
 
@@ -336,3 +337,23 @@ def test_a_local_step_checks_each_replica_on_its_own(skip):
     else:
         assert not np.isfinite(kernel_after[3]).all()
     assert np.isfinite(kernel_after[:3]).all()
+
+
+def test_a_meeting_checks_each_replica_on_its_own_and_averages_the_finite_copies():
+    """Period 1 (every step a meeting), a NaN in replica 3's rows: replica 3 brings its previous copy, the anchor
+    is the mean of three new copies and that old one (finite), and the meeting's only data collective is the
+    parameter average."""
+    trainer = trainer_for("mlp", "4x2", strategy=jaxpar.LocalSGD(period=1))
+    state = trainer.init(0)
+    before = trainer.params(state)["hidden"]["kernel"]
+    clean = batch_for("mlp", size=16)
+    poisoned = {k: v.copy() for k, v in clean.items()}
+    poisoned["image"][12:] = np.nan
+    state, metrics = trainer.step(state, poisoned, 0)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(metrics["skipped"])), [0.0, 0.0, 0.0, 1.0])
+    anchor = trainer.params(state)["hidden"]["kernel"]
+    assert np.isfinite(anchor).all() and not np.allclose(anchor, before)
+    batch = trainer.shard_batch(clean)
+    ops = collective_ops(trainer._steps["meet"].lower(state, batch, {}).compile(), trainer.mesh)
+    over_data = [op for op in ops if "data" in op.axes]
+    assert len(over_data) == 1 and over_data[0].kind == "all-reduce"  # the average; no metric mean, no flag

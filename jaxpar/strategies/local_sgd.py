@@ -96,21 +96,29 @@ class LocalSGD(StrategyBase):
         params, opt_state = apply_gradients(ctx.tx, replica["params"], replica["opt_state"], grads)
         return {"params": params, "opt_state": opt_state, "model_state": model_state}, metrics, comm_state
 
+    def _own_update(self, ctx, replica, batch, key):
+        """This replica's local update, checked for non-finite values on its own (no other replica is asked)."""
+        old = rep.take_own(replica)
+        new, metrics, _ = self._replica_update(ctx, old, batch, key, average=False, mean_metrics=False)
+        return rep.guard_finite(ctx, old, new, metrics)
+
+    @staticmethod
+    def _metrics_out():
+        """(how a step's per-replica metrics leave the replica, their out spec). One process holds every replica:
+        they stay per replica ([R]) and the host averages them. With several processes a process could not read
+        the others' replicas, so the scalars are averaged on the device (one small all-reduce)."""
+        if jax.process_count() == 1:
+            return (lambda metrics: {k: v[None] for k, v in metrics.items()}), P(rep.AXIS)
+        return rep.native_mean, P()
+
     def _local_step(self, ctx):
-        # One process holds every replica: metrics stay per replica ([R]) and the host averages them. With several
-        # processes a process could not read the others' replicas, so the scalars are averaged on the device.
-        per_replica_metrics = jax.process_count() == 1
+        report, metrics_spec = self._metrics_out()
 
         def own(replica, batch, key):
-            old = rep.take_own(replica)
-            new, metrics, _ = self._replica_update(ctx, old, batch, key, average=False, mean_metrics=False)
-            new, metrics = rep.guard_finite(ctx, old, new, metrics)
-            if not per_replica_metrics:
-                return rep.as_own(new), rep.native_mean(metrics)
-            return rep.as_own(new), {k: v[None] for k, v in metrics.items()}
+            new, metrics = self._own_update(ctx, replica, batch, key)
+            return rep.as_own(new), report(metrics)
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()),
-                                  out_specs=(SHARDED, P(rep.AXIS) if per_replica_metrics else P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, metrics_spec))
 
         def step(state, batch, inputs):
             # nothing crosses the replica axis: each replica's metrics ([R]) and its own non-finite check
@@ -139,19 +147,23 @@ class LocalSGD(StrategyBase):
         return step
 
     def _meet_step(self, ctx):
+        report, metrics_spec = self._metrics_out()
+
         def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch, key, comm_state):
-            replica, metrics, _ = self._replica_update(ctx, rep.take_own(replica), batch, key, average=False)
+            # a replica whose own step is not finite brings its previous copy to the meeting (it is checked alone,
+            # so the meeting's only collective over data is the average itself)
+            replica, metrics = self._own_update(ctx, replica, batch, key)
             mean_params, comm_state = rep.mean_params_like(ctx, replica["params"], comm_state)
             distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
-            divergence = rep.native_mean(distance / jnp.sqrt(rep.tree_sq_norm(mean_params)))
+            divergence = distance / jnp.sqrt(rep.tree_sq_norm(mean_params))
             params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params)
             model_state = rep.mean_batch_stats(replica["model_state"])
             replica = {"params": params, "opt_state": replica["opt_state"], "model_state": model_state}
             anchor = (params, opt_state, rep.unfold_rng_keys(model_state, anchor_model_state))
-            return rep.as_own(replica), anchor, {**metrics, "replica_divergence": divergence}, comm_state
+            return rep.as_own(replica), anchor, report({**metrics, "replica_divergence": divergence}), comm_state
 
         sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), BATCH, P(), P()),
-                                  out_specs=(SHARDED, P(), P(), P()))
+                                  out_specs=(SHARDED, P(), metrics_spec, P()))
 
         def step(state, batch, inputs):
             replica, (params, opt_state, model_state), metrics, comm_state = sharded(
@@ -160,6 +172,7 @@ class LocalSGD(StrategyBase):
             return state._replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                                   strategy_state=replica, comm_state=comm_state), metrics
 
+        step.guards_itself = True
         return step
 
     def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
