@@ -8,7 +8,11 @@ local_sgd H=4, local_sgd H=16, diloco (H=4, outer Nesterov lr 0.7 / momentum 0.9
 
 Scenarios (`SCENARIOS`): "fast link" = profile `a100-nvlink` (every axis NVLink), nobody slow; "slow link +
 straggler" = profile `a100-eth10` (the data axis on 10 Gb/s Ethernet) with replica 3 computing 2x slower
-(`stragglers="3:2.0"`). Sync and local SGD / DiLoCo apply the same updates whoever is slow, so each trains once and
+(`stragglers="3:2.0"`); "slow devices + slow link + straggler" = 1 GFLOP/s devices on 10 Gb/s Ethernet links
+(`flops=1e9,alpha=5e-5,bandwidth=1.25e9`) with the same straggler: on an A100 these small models' steps take
+nanoseconds of compute against hundreds of microseconds of communication, so a straggler's slower compute is
+invisible; on 1 GFLOP/s devices compute and communication are of the same order, the regime where waiting for a
+straggler costs. Sync and local SGD / DiLoCo apply the same updates whoever is slow, so each trains once and
 its clock is priced under both scenarios; SSP / ASP decide who delivers from the straggler profile, so they train
 once per scenario (without a straggler they are sync SGD, update for update).
 
@@ -45,7 +49,8 @@ STRAGGLERS = "3:2.0"
 DEFAULT_STEPS = {"mlp": 320, "transformer": 320}
 SMOOTH = 10  # trailing window of the smoothed loss
 # (label, hardware profile, straggler profile): the simulated clock of every run is priced under each
-SCENARIOS = (("fast link", "a100-nvlink", None), ("slow link + straggler", "a100-eth10", STRAGGLERS))
+SCENARIOS = (("fast link", "a100-nvlink", None), ("slow link + straggler", "a100-eth10", STRAGGLERS),
+             ("slow devices + slow link + straggler", "flops=1e9,alpha=5e-5,bandwidth=1.25e9", STRAGGLERS))
 
 
 def strategies(steps):
