@@ -295,7 +295,8 @@ def explain_run(config: Config, trainer: Trainer, train_batches) -> dict:
     """--explain: the plan, memory, collectives and FLOPs of the first batch's step variants; nothing trains."""
     from jaxpar.explain import explain, format_explain
 
-    batch = next(iter(train_batches))
+    rows = next(iter(train_batches))  # this process's rows: the step is compiled for the global batch's shape
+    batch = {k: jax.ShapeDtypeStruct((trainer.global_rows(len(v)),) + v.shape[1:], v.dtype) for k, v in rows.items()}
     blocks = config.layers if config.model == "transformer" else None
     report = explain(trainer, batch, blocks=blocks)
     if distributed.is_main():

@@ -77,11 +77,13 @@ def sharding_plan(trainer) -> dict:
 def _variants(trainer) -> dict[str, dict]:
     """The step variants the strategy runs, with the inputs of one step of each and its share of the steps."""
     strategy, ctx = trainer.strategy, trainer._ctx
-    shares = strategy.variant_shares() if hasattr(strategy, "variant_shares") else {v: None for v in trainer._steps}
-    inputs = {}
     first = strategy.plan(ctx, 0)
-    for variant in shares:
-        inputs[variant] = first.inputs if first.variant == variant else {}
+    if hasattr(strategy, "variant_shares"):
+        shares = strategy.variant_shares()
+        inputs = {variant: first.inputs if first.variant == variant else {} for variant in shares}
+    else:  # a strategy of your own: every variant, equal shares, the first step's inputs (their usual shape)
+        shares = {variant: 1 / len(trainer._steps) for variant in trainer._steps}
+        inputs = {variant: first.inputs for variant in shares}
     return {v: {"inputs": inputs[v], "share": shares[v]} for v in shares}
 
 
@@ -149,7 +151,8 @@ def _expected(op, variant: str, trainer) -> bool:
     communicator = getattr(trainer.strategy, "communicator", None)
     explicit = communicator is not None and not communicator.native
     if DATA in axes and variant == "local":
-        return False  # a local step sends nothing between replicas, not even its metrics
+        # a local step sends nothing between replicas; with several processes, only its scalar metric means
+        return op.bytes <= 64 and op.kind == "all-reduce" and jax.process_count() > 1
     if op.bytes <= 64 and op.kind == "all-reduce":
         return True  # scalars: metric means and the non-finite flag
     if DATA in axes:

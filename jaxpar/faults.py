@@ -27,7 +27,7 @@ def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _all_finite(tree, shardings, mesh) -> jax.Array:
+def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
     """Whether every floating-point leaf of `tree` is finite. Each device sums its own shards (a NaN or infinity
     makes a sum non-finite; so would finite values summing past float32's range, beyond 1e38, a fault anyway) and
     one all-reduce combines the devices: a global reduction per leaf would cost one collective per leaf. It runs
@@ -42,7 +42,7 @@ def _all_finite(tree, shardings, mesh) -> jax.Array:
 
     split = {a for _, spec in chosen for entry in spec if entry is not None
              for a in ((entry,) if isinstance(entry, str) else entry)}
-    axes = tuple(a for a in mesh.axis_names if a in split)
+    axes = tuple(a for a in mesh.axis_names if a in split or every_axis)
 
     def local(*blocks):
         total = sum(jnp.sum(b, dtype=jnp.float32) for b in blocks)
@@ -63,8 +63,11 @@ def step_is_finite(new, metrics: dict, shardings, mesh) -> jax.Array:
     """Whether a step's loss and every floating-point leaf of its updated state are finite (a bool scalar).
     `shardings`: the train state's (a `TrainState` of `NamedSharding`s) on `mesh`."""
     fields = ("params", "opt_state", "model_state", "strategy_state", "comm_state")
+    # a communicator's state (e.g. error-feedback residuals) is declared replicated but may differ per replica:
+    # then every axis is asked, so that all replicas agree on skipping
+    own_state = any(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(new.comm_state) if not _is_key(x))
     return jnp.isfinite(metrics["loss"]).all() & _all_finite(
-        tuple(getattr(new, f) for f in fields), tuple(getattr(shardings, f) for f in fields), mesh)
+        tuple(getattr(new, f) for f in fields), tuple(getattr(shardings, f) for f in fields), mesh, own_state)
 
 
 def flag_if_not_finite(new, metrics: dict, shardings, mesh):

@@ -136,16 +136,21 @@ class Trainer:
             log.warning(line)
 
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        steps = self.strategy.steps(self._ctx)
+        # variants whose metrics are one value per replica ([R], left where they are: gathering them would be a
+        # collective over the replica axis); `fit` reports their mean
+        self._per_replica = {name for name, fn in steps.items() if getattr(fn, "per_replica_metrics", False)}
         self._steps = {name: jax.jit(functools.partial(self._traced_step, name, fn),
                                      in_shardings=(self.state_shardings, self.batch_sharding, None),
-                                     # metrics: scalars (replicated) or per-replica [R] arrays, left where
-                                     # they are (gathering them would be a collective over the replica axis)
-                                     out_shardings=(self.state_shardings, None), donate_argnums=0)
-                       for name, fn in self.strategy.steps(self._ctx).items()}
+                                     out_shardings=(self.state_shardings,
+                                                    None if name in self._per_replica else shd.replicated(mesh)),
+                                     donate_argnums=0)
+                       for name, fn in steps.items()}
+        self._last_per_replica = False  # whether the latest step's metrics are per replica
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
         clock = getattr(self.strategy, "clock", None)  # the strategy's simulated clock, priced here (sim_time)
-        self.clock = None if clock is None else clock.priced(self.variant_cost if self.hardware else None)
+        self.clock = clock.priced(self.variant_cost if self.hardware else None) if hasattr(clock, "priced") else None
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
     def _init_state(self, seed) -> TrainState:
@@ -360,6 +365,7 @@ class Trainer:
             state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
+        self._last_per_replica = plan.variant in self._per_replica
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
@@ -469,7 +475,7 @@ class Trainer:
             state, step_number = new_state, step_number + 1
             if pending is not None:
                 self._run_actions(pending, actions, None, last, state, step_number)
-            pending = (step_number, metrics)
+            pending = (step_number, metrics, self._last_per_replica)
             if any(a.needs_state and a.due(step_number, step_number == last) for a in actions):
                 self._run_actions(pending, actions, state, last, state, step_number)
                 pending = None
@@ -481,10 +487,12 @@ class Trainer:
             self._run_actions(pending, actions, state, last, state, step_number)
 
     def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
-        step, metrics = pending
+        step, metrics, per_replica = pending
         wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
-        # a per-replica metric ([R], from a step that sends nothing between replicas) is reported as its mean
-        host = {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+        host = jax.device_get(metrics)
+        if per_replica:  # one value per replica (a local SGD step): reported as their mean
+            host = {k: np.mean(v, axis=0) if np.ndim(v) else v for k, v in host.items()}  # (host metrics: floats)
+        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
         is_last = step == last
         for action in actions:
             if not action.due(step, is_last):

@@ -347,3 +347,14 @@ def test_a_priced_clock_prices_each_step_when_it_runs():
     assert clock.time_after(4, 0) == 1.0
     price["sync"] = StepCost(5.0, 0.0)
     assert [clock.time_after(4, n) for n in range(3)] == [1.0, 6.0, 11.0]
+
+
+def test_a_priced_server_clock_times_the_schedule_it_replays():
+    """SSP / ASP priced: the unit-cost schedule (what the device replays) priced update by update, C x its advance
+    + M, however large M is against C (a re-simulation in seconds once grouped arrivals differently)."""
+    unit = Clock("1:2.0", None, lambda u: ("update",))
+    priced = unit.priced(lambda v: StepCost(1e-9, 1e-4))
+    times = [priced.time_after(4, n) for n in range(400)]
+    schedule = unit.schedule(4, 400)
+    expected = [u.sim_time * 1e-9 + (n + 1) * 1e-4 for n, u in enumerate(schedule)]
+    np.testing.assert_allclose(times, expected, rtol=1e-12)

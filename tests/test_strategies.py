@@ -357,3 +357,16 @@ def test_a_meeting_checks_each_replica_on_its_own_and_averages_the_finite_copies
     ops = collective_ops(trainer._steps["meet"].lower(state, batch, {}).compile(), trainer.mesh)
     over_data = [op for op in ops if "data" in op.axes]
     assert len(over_data) == 1 and over_data[0].kind == "all-reduce"  # the average; no metric mean, no flag
+
+
+def test_a_meeting_whose_result_is_not_finite_is_skipped_as_a_whole():
+    """DiLoCo with an outer step that overflows: every replica's own step is finite, the averaged anchor is not;
+    the whole meeting is skipped (anchor and replicas unchanged) and every replica reports it."""
+    trainer = trainer_for("mlp", "4x2", strategy=jaxpar.DiLoCo(period=1, outer_optimizer=optax.chain(optax.scale(1e30), optax.scale(-1e30))))
+    state = trainer.init(0)
+    before = trainer.params(state)
+    state, metrics = trainer.step(state, batch_for("mlp", size=16), 0)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(metrics["skipped"])), [1.0] * 4)
+    assert_same_params(trainer.params(state), before, atol=0)
+    replicas = jax.device_get(state.strategy_state["params"]["hidden"]["kernel"])
+    np.testing.assert_array_equal(replicas[2], before["hidden"]["kernel"])

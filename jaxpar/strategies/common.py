@@ -97,10 +97,25 @@ class Clock:
         known.extend(itertools.islice(stream, max(0, steps - len(known))))
         return known
 
+    def _server_time(self, num_replicas: int, step_number: int) -> float:
+        """A server's clock: its unit-cost schedule priced update by update. Communication stops the world, so with
+        compute C and communication M per update the clock advances C x (the unit schedule's advance) + M: the
+        schedule the device replays and the one timed are the same by construction."""
+        schedule = self.schedule(num_replicas, step_number + 1)
+        if self.cost is None:
+            return schedule[step_number].sim_time
+        _, times = self._times.setdefault(num_replicas, (None, array.array("d")))
+        while len(times) <= step_number:
+            n = len(times)
+            cost = self.cost(self.rounds(n)[-1])
+            advance = schedule[n].sim_time - (schedule[n - 1].sim_time if n else 0.0)
+            times.append((times[-1] if n else 0.0) + cost.compute * advance + cost.comm)
+        return times[step_number]
+
     def time_after(self, num_replicas: int, step_number: int) -> float:
         """Simulated seconds when the step with that (0-based) number completes."""
-        if self.cost is None and self.bound != 0:  # a server's unit-cost times are its schedule's
-            return self.schedule(num_replicas, step_number + 1)[step_number].sim_time
+        if self.bound != 0:
+            return self._server_time(num_replicas, step_number)
         stream, times = self._times.get(num_replicas) or (None, array.array("d"))
         if stream is None:
             stream = simulate(self.stragglers, num_replicas, self.bound, self.rounds, self.cost)

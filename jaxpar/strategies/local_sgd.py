@@ -126,6 +126,7 @@ class LocalSGD(StrategyBase):
             return state._replace(step=state.step + 1, strategy_state=replica), metrics
 
         step.guards_itself = True
+        step.per_replica_metrics = metrics_spec != P()
         return step
 
     def _sync_step(self, ctx):
@@ -152,6 +153,7 @@ class LocalSGD(StrategyBase):
         def own(replica, anchor_params, anchor_opt_state, anchor_model_state, batch, key, comm_state):
             # a replica whose own step is not finite brings its previous copy to the meeting (it is checked alone,
             # so the meeting's only collective over data is the average itself)
+            old = rep.take_own(replica)
             replica, metrics = self._own_update(ctx, replica, batch, key)
             mean_params, comm_state = rep.mean_params_like(ctx, replica["params"], comm_state)
             distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
@@ -160,6 +162,10 @@ class LocalSGD(StrategyBase):
             model_state = rep.mean_batch_stats(replica["model_state"])
             replica = {"params": params, "opt_state": replica["opt_state"], "model_state": model_state}
             anchor = (params, opt_state, rep.unfold_rng_keys(model_state, anchor_model_state))
+            # the meeting's result (the same on every replica: no collective needed to agree on it) must be finite
+            # too, e.g. an outer step that overflows; if not, the whole meeting is skipped (or flagged)
+            before = (anchor_params, anchor_opt_state, anchor_model_state)
+            (replica, anchor), metrics = rep.guard_meeting(ctx, (old, before), (replica, anchor), metrics)
             return rep.as_own(replica), anchor, report({**metrics, "replica_divergence": divergence}), comm_state
 
         sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), BATCH, P(), P()),
@@ -173,6 +179,7 @@ class LocalSGD(StrategyBase):
                                   strategy_state=replica, comm_state=comm_state), metrics
 
         step.guards_itself = True
+        step.per_replica_metrics = metrics_spec != P()
         return step
 
     def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):

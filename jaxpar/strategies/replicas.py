@@ -167,6 +167,24 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     return grads, new_state, native_mean(metrics, weight) if mean_metrics else metrics, comm_state
 
 
+def _all_finite_here(tree):
+    """Whether every floating-point leaf of `tree` is finite, reduced within the replica only."""
+    leaves = [x for x in jax.tree.leaves(tree) if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.isfinite(sum((jnp.sum(x, dtype=jnp.float32) for x in leaves), jnp.float32(0)))
+
+
+def guard_meeting(ctx, old, new, metrics):
+    """Inside `per_replica`, after a meeting: `new` (this replica's copy and the anchor) if the averaged result is
+    finite, else (skip) `old` for the whole meeting; the result is the same on every replica, so every replica
+    decides the same without asking the others. Marks `skipped` / `nonfinite` as 1 when the meeting failed."""
+    ok = _all_finite_here(new[1])
+    flag = "skipped" if ctx.skip_nonfinite else "nonfinite"
+    metrics = {**metrics, flag: jnp.maximum(metrics[flag], (~ok).astype(jnp.float32))}
+    if not ctx.skip_nonfinite:
+        return new, metrics
+    return jax.tree.map(lambda n, o: _select(ok, n, o), new, old), metrics
+
+
 def _weighted_mean_in_one(grads, metrics, weight):
     """The participants' mean of the gradients and of the metrics, with one all-reduce over the replicas (a
     participant count rides along): SSP / ASP pay one latency term per update, not two. Non-participants
@@ -182,9 +200,7 @@ def guard_finite(ctx, old, new, metrics):
     """Inside `per_replica`: this replica's `new` state if its loss and every floating-point leaf are finite, else
     (with `ctx.skip_nonfinite`) its `old` one; adds the metric `skipped` (or `nonfinite` when not skipping). The
     check reduces only within the replica (its fsdp / model devices): other replicas are not asked."""
-    leaves = [x for x in jax.tree.leaves(new) if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    total = sum((jnp.sum(x, dtype=jnp.float32) for x in leaves), jnp.float32(0))
-    ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(total)
+    ok = jnp.isfinite(metrics["loss"]) & _all_finite_here(new)
     if not ctx.skip_nonfinite:
         return new, {**metrics, "nonfinite": (~ok).astype(jnp.float32)}
     kept = jax.tree.map(lambda n, o: _select(ok, n, o), new, old)
