@@ -70,16 +70,14 @@ def strategies(steps):
 def priced_times(trainer, strategy, hardware, batch, steps):
     """sim_time after each step of `trainer`'s run, priced on `hardware` from its compiled step variants (the same
     event simulation and cost model as `Trainer(hardware=...)`)."""
-    from jaxpar.hardware import parse_hardware, step_cost
-    from jaxpar.hlo import collective_ops
-    from jaxpar.resources import step_flops
+    from jaxpar.hardware import compiled_cost, parse_hardware
 
     profile = parse_hardware(hardware)
     first = strategy.plan(trainer._ctx, 0)
     costs = {}
     for variant in strategy.variant_shares():
         compiled = trainer.compiled_step(variant, batch, first.inputs if first.variant == variant else {})
-        costs[variant] = step_cost(step_flops(compiled), collective_ops(compiled, trainer.mesh), profile)
+        costs[variant] = compiled_cost(compiled, trainer.mesh, profile)
     clock = strategy.clock.priced(costs.__getitem__)
     return [clock.time_after(trainer.num_replicas, n) for n in range(steps)], costs
 

@@ -27,6 +27,23 @@ def _is_key(x) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _is_float(x) -> bool:
+    """A floating-point leaf (PRNG keys are not)."""
+    return not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def finite_within(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite, reduced by the compiler over the axes its leaves are
+    split over: inside a replica-manual `shard_map`, within the replica only."""
+    return jnp.isfinite(sum((jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(tree) if _is_float(x)),
+                            jnp.float32(0)))
+
+
+def select_tree(ok, new, old):
+    """`new` where `ok`, else `old`, leaf by leaf (PRNG keys included)."""
+    return jax.tree.map(lambda n, o: _select(ok, n, o), new, old)
+
+
 def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
     """Whether every floating-point leaf of `tree` is finite. Each device sums its own shards (a NaN or infinity
     makes a sum non-finite; so would finite values summing past float32's range, beyond 1e38, a fault anyway) and
@@ -35,8 +52,7 @@ def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
     state is replicated over data, so its check never crosses the data axis; `ReplicaCheck` tests that claim)."""
     leaves = jax.tree.leaves(tree)
     specs = [s.spec for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
-    chosen = [(x, spec) for x, spec in zip(leaves, specs, strict=True)
-              if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
+    chosen = [(x, spec) for x, spec in zip(leaves, specs, strict=True) if _is_float(x)]
     if not chosen:
         return jnp.bool_(True)
 
@@ -65,7 +81,7 @@ def step_is_finite(new, metrics: dict, shardings, mesh) -> jax.Array:
     fields = ("params", "opt_state", "model_state", "strategy_state", "comm_state")
     # a communicator's state (e.g. error-feedback residuals) is declared replicated but may differ per replica:
     # then every axis is asked, so that all replicas agree on skipping
-    own_state = any(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(new.comm_state) if not _is_key(x))
+    own_state = any(_is_float(x) for x in jax.tree.leaves(new.comm_state))
     return jnp.isfinite(metrics["loss"]).all() & _all_finite(
         tuple(getattr(new, f) for f in fields), tuple(getattr(shardings, f) for f in fields), mesh, own_state)
 
@@ -80,7 +96,7 @@ def flag_if_not_finite(new, metrics: dict, shardings, mesh):
 def keep_if_finite(old, new, metrics: dict, shardings, mesh):
     """`new` if its loss and every floating-point leaf are finite, else `old` with the step counter advanced."""
     ok = step_is_finite(new, metrics, shardings, mesh)
-    kept = jax.tree.map(lambda n, o: _select(ok, n, o), new._replace(step=old.step, key=old.key), old)
+    kept = select_tree(ok, new._replace(step=old.step, key=old.key), old)
     return kept._replace(step=new.step, key=new.key), {**metrics, "skipped": (~ok).astype(jnp.float32)}
 
 

@@ -157,6 +157,14 @@ class StepCost(NamedTuple):
 UNIT = StepCost()  # no profile: one unit of compute per step, communication free (sim_time = the step count)
 
 
+def compiled_cost(compiled, mesh, profile: Profile) -> StepCost:
+    """The `StepCost` of a compiled step (`jax.stages.Compiled`) on `mesh`, priced on `profile`."""
+    from jaxpar.hlo import collective_ops
+    from jaxpar.resources import step_flops
+
+    return step_cost(step_flops(compiled), collective_ops(compiled, mesh), profile)
+
+
 def step_cost(flops_per_device: float | None, collectives, profile: Profile) -> StepCost:
     """The `StepCost` of a compiled step variant on `profile`."""
     if not flops_per_device:

@@ -33,8 +33,7 @@ from jaxpar.actions import Action, OnStep, StepEvent
 from jaxpar.distributed import to_host
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
 from jaxpar.faults import flag_if_not_finite, keep_if_finite
-from jaxpar.hardware import parse_hardware, step_cost
-from jaxpar.hlo import collective_ops
+from jaxpar.hardware import compiled_cost, parse_hardware
 from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
 from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
@@ -186,11 +185,10 @@ class Trainer:
 
     def _traced_step(self, name, fn, state, batch, inputs):
         out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
-        if getattr(fn, "guards_itself", False):
-            pass  # the strategy's step checked (and under skip, kept) each replica's state itself
-        elif self.skip_nonfinite:
+        # (a step that `guards_itself` checked, and under skip kept, each replica's state on its own)
+        if self.skip_nonfinite and not getattr(fn, "guards_itself", False):
             out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
-        else:
+        elif not getattr(fn, "guards_itself", False):
             out = flag_if_not_finite(*out, self.state_shardings, self.mesh)
         count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
@@ -401,8 +399,7 @@ class Trainer:
 
     def _price(self, variant: str, compiled) -> None:
         if self.hardware is not None:
-            self.step_costs[variant] = step_cost(step_flops(compiled), collective_ops(compiled, self.mesh),
-                                                 self.hardware)
+            self.step_costs[variant] = compiled_cost(compiled, self.mesh, self.hardware)
 
     def compiled_step(self, variant: str, batch=None, inputs=None):
         """The compiled step `variant` for a global `batch` (arrays or `jax.ShapeDtypeStruct`s; default: the latest

@@ -20,7 +20,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import mesh as mesh_lib
-from jaxpar.faults import _is_key, _select
+from jaxpar.faults import finite_within, select_tree
 from jaxpar.sharding import is_variable
 from jaxpar.step import loss_and_grad
 
@@ -167,22 +167,20 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     return grads, new_state, native_mean(metrics, weight) if mean_metrics else metrics, comm_state
 
 
-def _all_finite_here(tree):
-    """Whether every floating-point leaf of `tree` is finite, reduced within the replica only."""
-    leaves = [x for x in jax.tree.leaves(tree) if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.isfinite(sum((jnp.sum(x, dtype=jnp.float32) for x in leaves), jnp.float32(0)))
+def _keep_or_flag(ctx, ok, old, new, metrics):
+    """Under skip: `new` where `ok`, else `old`, and `skipped` = 1 where not ok; otherwise `new` and `nonfinite`
+    = 1 where not ok (a flag already set in `metrics` stays set)."""
+    flag = "skipped" if ctx.skip_nonfinite else "nonfinite"
+    failed = (~ok).astype(jnp.float32)
+    metrics = {**metrics, flag: jnp.maximum(metrics[flag], failed) if flag in metrics else failed}
+    return (select_tree(ok, new, old) if ctx.skip_nonfinite else new), metrics
 
 
 def guard_meeting(ctx, old, new, metrics):
     """Inside `per_replica`, after a meeting: `new` (this replica's copy and the anchor) if the averaged result is
     finite, else (skip) `old` for the whole meeting; the result is the same on every replica, so every replica
     decides the same without asking the others. Marks `skipped` / `nonfinite` as 1 when the meeting failed."""
-    ok = _all_finite_here(new[1])
-    flag = "skipped" if ctx.skip_nonfinite else "nonfinite"
-    metrics = {**metrics, flag: jnp.maximum(metrics[flag], (~ok).astype(jnp.float32))}
-    if not ctx.skip_nonfinite:
-        return new, metrics
-    return jax.tree.map(lambda n, o: _select(ok, n, o), new, old), metrics
+    return _keep_or_flag(ctx, finite_within(new[1]), old, new, metrics)
 
 
 def _weighted_mean_in_one(grads, metrics, weight):
@@ -200,11 +198,7 @@ def guard_finite(ctx, old, new, metrics):
     """Inside `per_replica`: this replica's `new` state if its loss and every floating-point leaf are finite, else
     (with `ctx.skip_nonfinite`) its `old` one; adds the metric `skipped` (or `nonfinite` when not skipping). The
     check reduces only within the replica (its fsdp / model devices): other replicas are not asked."""
-    ok = jnp.isfinite(metrics["loss"]) & _all_finite_here(new)
-    if not ctx.skip_nonfinite:
-        return new, {**metrics, "nonfinite": (~ok).astype(jnp.float32)}
-    kept = jax.tree.map(lambda n, o: _select(ok, n, o), new, old)
-    return kept, {**metrics, "skipped": (~ok).astype(jnp.float32)}
+    return _keep_or_flag(ctx, jnp.isfinite(metrics["loss"]) & finite_within(new), old, new, metrics)
 
 
 def _within_replica_batch(ctx, batch):
