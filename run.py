@@ -1,4 +1,4 @@
-"""Command line: flags -> jaxpar.Config -> jaxpar.experiment.train(config).   python run.py --mesh 2x4 --help"""
+"""Command line: flags -> jaxpar.Config -> jaxpar.cli.experiment.train(config).   python run.py --mesh 2x4 --help"""
 
 import argparse
 import logging
@@ -8,11 +8,11 @@ import sys
 import threading
 
 import jaxpar
-from jaxpar.config import load_config_file, same_file
+from jaxpar.cli.config import load_config_file, same_file
 from jaxpar.errors import Preempted, Terminated, cli_message
-from jaxpar.resources import DeviceError
-from jaxpar.experiment import train
-from jaxpar.flags import add_flags, overrides
+from jaxpar.runtime.resources import DeviceError
+from jaxpar.cli.experiment import train
+from jaxpar.cli.flags import add_flags, overrides
 
 
 class Parser(argparse.ArgumentParser):
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    if jaxpar.distributed.is_main() and "explain" not in summary:
+    if jaxpar.runtime.distributed.is_main() and "explain" not in summary:
         print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
     return 0
 

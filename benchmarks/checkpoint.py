@@ -33,8 +33,9 @@ def main():
     import optax
 
     import models
-    from jaxpar import actions, data
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.train import actions
+    from jaxpar.io import data
+    from jaxpar.io.checkpoint import Checkpointer
 
     config = jaxpar.Config().resolved()  # the default run: transformer, batch 32, seq 128
     trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), optax.adamw(config.lr), mesh)

@@ -7,12 +7,12 @@ and step time, on the 8-device data axis (mesh "8", i.e. 8 x 1).
 
 For each variant (`Sync()`: the partitioner's all-reduce, labelled "gspmd"; `Sync("psum")`, `Sync("ring")`,
 `Sync("torus2d")`, `Sync("ps")`: the explicit `shard_map` average) the step is lowered and compiled, and
-`jaxpar.hlo.collective_stats` counts the collectives in the optimised HLO: count and result bytes per op kind.
+`jaxpar.cost.hlo.collective_stats` counts the collectives in the optimised HLO: count and result bytes per op kind.
 Shapes inside `shard_map` are per device, so a ring's permute of `f32[59712]` sends 238,848 bytes from *every*
 device. "sent/dev" is the bytes the busiest device sends, read from each collective-permute's
 `source_target_pairs` (a parameter server's permutes have one pair each: only the root sends B seven times,
 whereas the HLO sum of permute bytes, 14 B, is the traffic of all devices together). It is compared with
-`jaxpar.collectives.theoretical_traffic(algorithm, 8, gradient_bytes)`, gradient_bytes = the float32 parameter
+`jaxpar.parallel.collectives.theoretical_traffic(algorithm, 8, gradient_bytes)`, gradient_bytes = the float32 parameter
 bytes. The ring pads the fused gradient to a multiple of 8 elements, so it can send slightly more than
 2(N-1)/N x gradient bytes. All-reduces are shown with their result bytes (the buffer reduced), not bytes sent:
 how XLA:CPU moves them is not visible in HLO. Besides the gradient, each step reduces two f32 scalars (loss and
@@ -28,7 +28,7 @@ of 8 device threads) and their latency, not link bandwidth; the bytes columns ar
 
 `--fsdp` prints a different table instead: the `Sync()` step (the partitioner inserts every collective) on the
 meshes of `--meshes` (default fsdp=8, data=2,fsdp=4, data=2,fsdp=2,model=2, fsdp=4,model=2 and 8 for reference).
-Per mesh: count and result bytes per device of each collective kind (`jaxpar.hlo.collective_stats`); the bytes a device
+Per mesh: count and result bytes per device of each collective kind (`jaxpar.cost.hlo.collective_stats`); the bytes a device
 holds of the parameters and of parameters + optimizer state (summed over a real initialised state's shards on
 the fullest device); and FSDP traffic vs theory. Theory: with an fsdp axis of N, ZeRO-3 all-gathers the
 parameters for the forward pass, again for the backward pass, and reduce-scatters the gradients; each moves
@@ -67,7 +67,7 @@ SHORT = {"all-reduce": "AR", "collective-permute": "CP", "all-gather": "AG", "re
 
 def permute_bytes_sent(hlo_text: str) -> dict[int, int]:
     """Bytes each device sends through collective-permutes: every (source, target) pair sends the result shape."""
-    from jaxpar.hlo import shape_bytes
+    from jaxpar.cost.hlo import shape_bytes
 
     sent: dict[int, int] = {}
     for line in hlo_text.splitlines():
@@ -99,7 +99,7 @@ def main():
 
 def setup(args):
     import models
-    from jaxpar import data
+    from jaxpar.io import data
 
     config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
     factory, loss_fn = models.factory(config), models.LOSSES[args.model]
@@ -132,8 +132,8 @@ def allreduce_table(args, mesh):
     import jax
     import optax
 
-    from jaxpar.collectives import theoretical_traffic
-    from jaxpar.hlo import collective_stats
+    from jaxpar.parallel.collectives import theoretical_traffic
+    from jaxpar.cost.hlo import collective_stats
 
     config, factory, loss_fn, batch = setup(args)
     n = mesh.shape["data"]
@@ -219,8 +219,8 @@ def fsdp_table(args):
     import jax
     import optax
 
-    from jaxpar import mesh as mesh_lib
-    from jaxpar.hlo import bytes_sent, collective_ops, collective_stats
+    from jaxpar.parallel import mesh as mesh_lib
+    from jaxpar.cost.hlo import bytes_sent, collective_ops, collective_stats
 
     config, factory, loss_fn, batch = setup(args)
     rows = []

@@ -51,7 +51,7 @@ def main():
     import optax
 
     import models
-    from jaxpar import data
+    from jaxpar.io import data
 
     if args.model == "mlp":
         config = jaxpar.Config(model="mlp", hidden=128, dropout=0.0).resolved()

@@ -36,7 +36,7 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
     os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
     import jaxpar
 
-    jaxpar.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
+    jaxpar.runtime.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
     import jax
     import numpy as np
     import optax
@@ -173,7 +173,7 @@ def processes(args) -> dict:
                 command = ["run.py", "--mesh", "2x4", "--steps", str(args.steps), "--log-every", "1",
                            "--eval-batches", "0", "--metrics", path]
                 if name.startswith("2"):
-                    command = ["-m", "jaxpar.launch", "--nproc", "2", "--", *command]
+                    command = ["-m", "jaxpar.runtime.launch", "--nproc", "2", "--", *command]
                 subprocess.run([sys.executable, *command], cwd=ROOT, env=env, check=True, capture_output=True,
                                timeout=1800)
                 records = [json.loads(line) for line in open(path)]

@@ -16,7 +16,7 @@ Mesh "8": 8-way data parallel, so every batch size must divide by 8. The four re
 - (a) `none`:    lr = base lr at every batch size;
 - (b) `linear`:  lr = base lr x batch / 32 (the linear scaling rule);
 - (c) `warmup`:  (b) + linear warmup over `--warmup-epochs` epochs' worth of steps (ceil(epochs x 1497 / batch),
-                 at least 1, at most the run), from lr/W to lr as `jaxpar.schedules.lr_schedule` does it (Goyal et
+                 at least 1, at most the run), from lr/W to lr as `jaxpar.train.schedules.lr_schedule` does it (Goyal et
                  al. start the warmup at the unscaled lr instead);
 - (d) `smooth`:  (c) + label smoothing 0.1 on the training loss (the evaluation loss is never smoothed).
 
@@ -42,9 +42,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxpar  # noqa: E402
-from jaxpar.mesh import batch_ways, parse_mesh_spec  # noqa: E402
+from jaxpar.parallel.mesh import batch_ways, parse_mesh_spec  # noqa: E402
 
-TRAIN_SIZE = 1497  # digits training split (jaxpar.data.load_digits)
+TRAIN_SIZE = 1497  # digits training split (jaxpar.io.data.load_digits)
 TEST_EVAL = 296  # first 296 of the 300 test digits: divides by a data axis of 1, 2, 4 or 8
 TRAIN_EVAL = 1496  # first 1,496 training digits for the eval-mode training loss
 RECIPES = {  # name -> (lr scaling, uses warmup, label smoothing)
@@ -123,7 +123,8 @@ def main():
     import optax
 
     import models
-    from jaxpar import data, schedules
+    from jaxpar.io import data
+    from jaxpar.train import schedules
 
     train, test = data.load_digits()
     test_batch = {k: v[:TEST_EVAL] for k, v in test.items()}

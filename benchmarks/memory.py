@@ -46,7 +46,7 @@ CHECKED = ("1x8", "fsdp=8")  # meshes that should hold 1/8 of the sharded state 
 def setup(model):
     """(config, model factory, loss, a real global batch) for `model`."""
     import models
-    from jaxpar import data
+    from jaxpar.io import data
 
     config = (jaxpar.Config() if model == "transformer" else jaxpar.Config(model=model)).resolved()
     factory, loss_fn = models.factory(config), models.LOSSES[model]

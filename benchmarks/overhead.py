@@ -36,7 +36,8 @@ def main():
     from flax import nnx
 
     import models
-    from jaxpar import data, sharding
+    from jaxpar.io import data
+    from jaxpar.parallel import partitioning as sharding
 
     config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
     factory, loss_fn, tx = models.factory(config), models.LOSSES[args.model], optax.adamw(1e-3)

@@ -29,7 +29,7 @@ lowest 10-step mean the sync run reaches within the first half of its steps (rou
 
 Simulated seconds: each step variant is compiled, and priced by `jaxpar.hardware` (its FLOPs per device / the
 profile's peak, plus the alpha-beta cost of the collectives its HLO contains on the links of the axes they span);
-the one event simulator (`jaxpar.strategies.simulator.simulate`) turns those prices and the straggler profile into
+the one event simulator (`jaxpar.cost.simulator.simulate`) turns those prices and the straggler profile into
 the clock, exactly as `Trainer(hardware=...)` / `run.py --hardware` does. It is a projection onto the profile's
 hardware, not a measurement; wall times on this machine are in the JSON rows.
 """
@@ -70,7 +70,7 @@ def strategies(steps):
 def priced_times(trainer, strategy, hardware, batch, steps):
     """sim_time after each step of `trainer`'s run, priced on `hardware` from its compiled step variants (the same
     event simulation and cost model as `Trainer(hardware=...)`)."""
-    from jaxpar.hardware import compiled_cost, parse_hardware
+    from jaxpar.cost.hardware import compiled_cost, parse_hardware
 
     profile = parse_hardware(hardware)
     first = strategy.plan(trainer._ctx, 0)
@@ -87,7 +87,7 @@ def make_task(name):
     import jax
 
     import models
-    from jaxpar import data
+    from jaxpar.io import data
 
     if name == "mlp":
         config = jaxpar.Config(model="mlp", dropout=0.0, hidden=128, batch_size=64)

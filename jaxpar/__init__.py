@@ -1,29 +1,45 @@
-"""jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh."""
+"""jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh.
 
-from jaxpar import actions, distributed
-from jaxpar.actions import Action, Evaluate, StepEvent
-from jaxpar.collectives import Communicator, communicator
-from jaxpar.config import Config
-from jaxpar.explain import explain, format_explain
-from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError, OptionError,
-                           ResourceError, ShardingError, StateError)
-from jaxpar.linen import from_linen
-from jaxpar.mesh import make_mesh
-from jaxpar.hardware import PROFILES, Profile, parse_hardware
-from jaxpar.resources import DeviceError
-from jaxpar.sharding import DEFAULT_RULES
-from jaxpar.step import TrainState
+The public API is what this module exports. The packages show the parts: `parallel` (mesh, partitioning,
+collectives), `strategies` (how replicas agree), `train` (state, step, Trainer, loop, actions), `cost` (HLO,
+hardware profiles, simulator, explain), `io` (data, checkpoints, metrics, reports), `runtime` (processes and
+devices) and `cli` (what `run.py` runs).
+"""
+
+import sys
+
+from jaxpar.cli.config import Config
+from jaxpar.cost.explain import explain, format_explain
+from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
+from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError,
+                           OptionError, ResourceError, ShardingError, StateError)
+from jaxpar.parallel.collectives import Communicator, communicator
+from jaxpar.parallel.mesh import make_mesh
+from jaxpar.parallel.partitioning import DEFAULT_RULES
+from jaxpar.runtime import distributed
+from jaxpar.runtime.resources import DeviceError
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
-from jaxpar.trainer import Trainer
+from jaxpar.train import actions
+from jaxpar.train.actions import Action, Evaluate, StepEvent
+from jaxpar.train.linen import from_linen
+from jaxpar.train.step import TrainState
+from jaxpar.train.trainer import Trainer
 
-__all__ = ["Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DataError", "DEFAULT_RULES", "DeviceError", "Evaluate", "FitError",
-           "JaxparError", "MeshError", "ModelError", "OptionError", "PROFILES", "Profile", "ResourceError", "ShardingError", "StateError", "StepEvent", "ASP", "DiLoCo", "LocalSGD", "SSP", "Sync",
-           "Trainer", "TrainState", "actions", "communicator", "distributed", "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware"]
+# `jaxpar.actions` and `jaxpar.distributed` are public namespaces: `import jaxpar.actions` works as well as the
+# attribute
+sys.modules[__name__ + ".actions"] = actions
+sys.modules[__name__ + ".distributed"] = distributed
+
+__all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DEFAULT_RULES",
+           "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
+           "ModelError", "OptionError", "PROFILES", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
+           "StepEvent", "Sync", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
+           "format_explain", "from_linen", "make_mesh", "parse_hardware"]
 
 
 def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used
     if name == "Checkpointer":
-        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.io.checkpoint import Checkpointer
 
         return Checkpointer
     raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")

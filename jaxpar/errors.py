@@ -89,7 +89,7 @@ def cli_message(error: BaseException) -> str:
 
 
 class ReplicaMismatch(JaxparError):
-    """Copies of a replicated parameter differ between devices (checked by `jaxpar.faults.ReplicaCheck`)."""
+    """Copies of a replicated parameter differ between devices (checked by `jaxpar.train.faults.ReplicaCheck`)."""
 
 
 class CheckpointError(OptionError):

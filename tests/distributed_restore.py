@@ -1,18 +1,18 @@
 """Run by tests/test_distributed.py under `python -m jaxpar.launch`: a user's own script that joins the processes
-with `jaxpar.distributed.initialize()` (settings from the launcher), restores a checkpoint onto a 2x4 mesh over
+with `jaxpar.runtime.distributed.initialize()` (settings from the launcher), restores a checkpoint onto a 2x4 mesh over
 all processes and has process 0 save the gathered parameters.   ARGS: CHECKPOINT_DIR STEP OUT.npz"""
 
 import sys
 
 import jaxpar
 
-jaxpar.distributed.initialize()
+jaxpar.runtime.distributed.initialize()
 
 import optax  # noqa: E402
 
 import models  # noqa: E402
-from jaxpar.checkpoint import Checkpointer  # noqa: E402
-from jaxpar.config import Config  # noqa: E402
+from jaxpar.io.checkpoint import Checkpointer  # noqa: E402
+from jaxpar.cli.config import Config  # noqa: E402
 from tests.test_distributed import _flat  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -24,7 +24,7 @@ trainer = jaxpar.Trainer(model=models.factory(config), loss_fn=models.loss_for(c
 checkpoints = Checkpointer(folder)
 state, meta, notes = checkpoints.restore(trainer, step)
 params = _flat(trainer.params(state))  # every process takes part in the gather
-if jaxpar.distributed.is_main():
+if jaxpar.runtime.distributed.is_main():
     np.savez(out, **params)
 checkpoints.close()
-print(f"process {jaxpar.distributed.process_index()}: restored step {meta['step']}")
+print(f"process {jaxpar.runtime.distributed.process_index()}: restored step {meta['step']}")

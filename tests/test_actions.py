@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxpar
-from jaxpar import actions
+from jaxpar.train import actions
 from tests.helpers import batch_for, trainer_for
 
 

@@ -13,10 +13,10 @@ import optax
 import pytest
 
 import jaxpar
-from jaxpar import actions
-from jaxpar.checkpoint import MANIFEST, Checkpointer
+from jaxpar.train import actions
+from jaxpar.io.checkpoint import MANIFEST, Checkpointer
 from jaxpar.errors import CheckpointError, ReplicaMismatch, TrainingDiverged
-from jaxpar.faults import ReplicaCheck
+from jaxpar.train.faults import ReplicaCheck
 from tests.helpers import batch_for, trainer_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +140,7 @@ def test_a_corrupted_checkpoint_names_the_file_and_the_older_intact_one(tmp_path
 
 def test_a_manifest_being_written_meanwhile_is_not_listed_in_another(tmp_path):
     """The background thread and `wait` may write a step's manifest at once: neither lists the other's temporary."""
-    from jaxpar.checkpoint import verify, write_manifest
+    from jaxpar.io.checkpoint import verify, write_manifest
     (tmp_path / "state").mkdir()
     (tmp_path / "state" / "data").write_bytes(b"x" * 100)
     stray = tmp_path / f".{MANIFEST}.abc123.tmp"
@@ -160,7 +160,7 @@ def test_an_interrupted_save_is_never_listed(tmp_path):
         sys.path.insert(0, {ROOT!r})
         import jax.numpy as jnp, optax, jaxpar
         from jax.sharding import NamedSharding, PartitionSpec as P
-        from jaxpar.checkpoint import Checkpointer
+        from jaxpar.io.checkpoint import Checkpointer
         from tests.helpers import trainer_for
         trainer = trainer_for("mlp", "2x4")
         checkpoints = Checkpointer({str(tmp_path)!r})

@@ -18,12 +18,13 @@ import pytest
 
 import jaxpar
 import run
-from jaxpar import actions, data
-from jaxpar.config import Config
-from jaxpar.experiment import batch_sizes, run_notes, strategy_config
-from jaxpar.metrics import JsonlFile, RunLogger
-from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
-from jaxpar.strategies.simulator import bsp_clock, bsp_times, parse_stragglers
+from jaxpar.train import actions
+from jaxpar.io import data
+from jaxpar.cli.config import Config
+from jaxpar.cli.experiment import batch_sizes, run_notes, strategy_config
+from jaxpar.io.metrics import JsonlFile, RunLogger
+from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.cost.simulator import bsp_clock, bsp_times, parse_stragglers
 from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

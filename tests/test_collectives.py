@@ -7,10 +7,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import ALLREDUCE_ALGORITHMS, allreduce_mean, default_torus_x, theoretical_traffic
+from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS, allreduce_mean, default_torus_x, theoretical_traffic
 import jaxpar
 from jaxpar.errors import ConfigError, OptionError, cli_message
-from jaxpar.hlo import collective_stats
+from jaxpar.cost.hlo import collective_stats
 
 AUTO = jax.sharding.AxisType.Auto
 

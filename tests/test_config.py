@@ -9,8 +9,8 @@ import jaxpar
 import models
 import run
 from jaxpar import strategies
-from jaxpar.config import APPLIES_TO, GROUPS, MODEL_DEFAULTS, MODELS, OPTIONS, STRATEGIES, Config, describe
-from jaxpar.flags import FLAGS
+from jaxpar.cli.config import APPLIES_TO, GROUPS, MODEL_DEFAULTS, MODELS, OPTIONS, STRATEGIES, Config, describe
+from jaxpar.cli.flags import FLAGS
 
 CONFIG_FILE_ONLY = {"channels", "rules"}
 

@@ -10,10 +10,10 @@ import pytest
 
 import jaxpar
 from jaxpar.strategies.common import Clock
-from jaxpar.hardware import PROFILES, Link, StepCost, collective_seconds, parse_hardware, step_cost
-from jaxpar.hlo import Collective, collective_ops
-from jaxpar.resources import step_flops
-from jaxpar.strategies.simulator import bsp_times, meeting_rounds, parse_stragglers, simulate
+from jaxpar.cost.hardware import PROFILES, Link, StepCost, collective_seconds, parse_hardware, step_cost
+from jaxpar.cost.hlo import Collective, collective_ops
+from jaxpar.runtime.resources import step_flops
+from jaxpar.cost.simulator import bsp_times, meeting_rounds, parse_stragglers, simulate
 from tests.helpers import batch_for, trainer_for
 
 AXES = ("data", "fsdp", "model")

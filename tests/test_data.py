@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar import data
+from jaxpar.io import data
 
 
 def source(n=10):

@@ -15,9 +15,9 @@ import pytest
 
 import jaxpar
 import run
-from jaxpar import launch
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.mesh import MeshError, crossing_axes, device_grid, parse_mesh_spec
+from jaxpar.runtime import launch
+from jaxpar.io.checkpoint import Checkpointer
+from jaxpar.parallel.mesh import MeshError, crossing_axes, device_grid, parse_mesh_spec
 from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,7 +120,7 @@ def test_process_flag_errors(args, message, capsys):
 def launched(nproc, args, timeout=LAUNCH_SECONDS):
     """`python -m jaxpar.launch --nproc N -- run.py ARGS`, waited for; (exit code, stdout, stderr)."""
     env = child_env()
-    process = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--nproc", str(nproc), "--", "run.py", *args],
+    process = subprocess.run([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", str(nproc), "--", "run.py", *args],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return process.returncode, process.stdout, process.stderr
 
@@ -171,7 +171,7 @@ def _tiny_trainer_parts(model="transformer"):
     import optax
 
     import models
-    from jaxpar.config import Config
+    from jaxpar.cli.config import Config
 
     config = (Config(model="transformer", layers=1, d_model=32, heads=4, d_ff=64, seq_len=16, dropout=0.1)
               if model == "transformer" else Config(model="mlp")).resolved()
@@ -206,7 +206,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
     # written by 1 process, restored by 2 through the library (a script of the user's under the launcher):
     # exactly the saved parameters (process 0 gathers them from both processes' shards)
     env = child_env()
-    restored = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--devices-per-process", "4",
+    restored = subprocess.run([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "2", "--devices-per-process", "4",
                                "--", os.path.join(ROOT, "tests", "distributed_restore.py"), str(ck), "10",
                                str(tmp_path / "params.npz")], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=LAUNCH_SECONDS)
@@ -229,7 +229,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
 
 def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process(tmp_path):
     env = child_env()
-    process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "2", "--", "run.py", "--model",
                                 "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",
                                 "0", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -269,7 +269,7 @@ def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process
 def test_sigterm_to_the_launcher_stops_every_process_after_one_agreed_step(tmp_path):
     env = child_env()
     saving = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000"]
-    process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--", "run.py", "--model",
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "2", "--", "run.py", "--model",
                                 "mlp", "--mesh", "2x4", "--steps", "100000", "--log-every", "1", "--eval-batches",
                                 "0", *saving, "--metrics", str(tmp_path / "run.jsonl")],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -296,7 +296,7 @@ def test_sigterm_to_the_launcher_stops_every_process_after_one_agreed_step(tmp_p
 
 
 def test_settings_come_from_the_launcher_or_the_cluster_environment(monkeypatch):
-    from jaxpar import distributed
+    from jaxpar.runtime import distributed
 
     assert distributed.settings_from_environment({}) == {}
     assert distributed.settings_from_environment({"JAXPAR_COORDINATOR": "127.0.0.1:5", "JAXPAR_NUM_PROCESSES": "2",
@@ -333,7 +333,7 @@ time.sleep(60)
 def run_launcher(tmp_path, fail_rank, signal_after=None):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    process = subprocess.Popen([sys.executable, "-m", "jaxpar.launch", "--nproc", "3", "--grace", "5", "--",
+    process = subprocess.Popen([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "3", "--grace", "5", "--",
                                 str(script), str(fail_rank)], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -371,7 +371,7 @@ def test_launcher_passes_ctrl_c_as_sigterm_and_reports_a_requested_stop(tmp_path
 
 
 def test_stop_without_a_checkpoint_ends_the_run_as_sigterm_does():
-    from jaxpar.actions import StopWhen
+    from jaxpar.train.actions import StopWhen
     from jaxpar.errors import Terminated
 
     asked = []

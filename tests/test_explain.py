@@ -8,8 +8,8 @@ import optax
 import jaxpar
 import models
 import run
-from jaxpar.explain import _expected
-from jaxpar.hlo import Collective
+from jaxpar.cost.explain import _expected
+from jaxpar.cost.hlo import Collective
 from tests.helpers import TINY, batch_for
 
 # The tiny MLP: 8x8 image (64) -> hidden 32 -> 10 classes.

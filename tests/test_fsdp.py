@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 import models
-from jaxpar.hlo import collective_stats
+from jaxpar.cost.hlo import collective_stats
 from tests.helpers import batch_for, trainer_for
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 
 import jaxpar
 import models
-from jaxpar import data
-from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.io import data
+from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from models.layers import BatchNorm
 from models.losses import cross_entropy
 from tests.helpers import TINY, batch_for, trainer_for

@@ -5,8 +5,8 @@ import jax
 import pytest
 
 import jaxpar
-from jaxpar import mesh as mesh_lib
-from jaxpar.mesh import parse_mesh_spec, resolve_shape
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.mesh import parse_mesh_spec, resolve_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

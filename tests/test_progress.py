@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from jaxpar.metrics import RunLogger
+from jaxpar.io.metrics import RunLogger
 
 
 class Terminal(io.StringIO):
@@ -108,7 +108,7 @@ def test_flops_per_second_and_utilisation_are_recorded(tmp_path):
                          ids=["sync", "local_sgd", "diloco", "ssp", "asp", "abort"])
 def test_every_record_key_of_every_strategy_is_in_the_documented_schema(strategy, tmp_path, capsys):
     import run
-    from jaxpar.metrics import EVAL_PREFIX, STEP_KEYS
+    from jaxpar.io.metrics import EVAL_PREFIX, STEP_KEYS
 
     path = tmp_path / "m.jsonl"
     assert run.main(["--model", "mlp", "--mesh", "4x2", "--steps", "4", "--log-every", "1", "--eval-every", "2",

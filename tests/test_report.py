@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxpar import report
+from jaxpar.io import report
 
 
 def write_run(path, strategy, sim=False, stale=False, divergence=False, stopped=None):

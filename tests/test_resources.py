@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-import jaxpar.resources as resources
+import jaxpar.runtime.resources as resources
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +111,7 @@ def test_the_cli_ends_a_device_failure_in_one_line_with_a_complete_jsonl(tmp_pat
     metrics = tmp_path / "m.jsonl"
     result = run_script(f"""
         import json, models, run
-        import jaxpar.experiment as experiment
+        import jaxpar.cli.experiment as experiment
 
         calls = []
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import run
-from jaxpar.checkpoint import MANIFEST, Checkpointer
+from jaxpar.io.checkpoint import MANIFEST, Checkpointer
 from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.step import takes_rngs
+from jaxpar.train.step import takes_rngs
 
 
 class CallTimeDropout(nnx.Module):
@@ -88,7 +88,7 @@ def test_explicit_strategies_fold_the_replica_index_into_the_call_time_key(strat
     assert np.isfinite(loss).all()
     if loss.ndim:  # local SGD's local step reports each replica's own loss: they differ with the masks
         assert loss.shape == (8,) and len(set(loss.tolist())) == 8
-    from jaxpar.step import make_rngs
+    from jaxpar.train.step import make_rngs
     from jaxpar.strategies import replicas as rep
     from jax.sharding import PartitionSpec as P
 

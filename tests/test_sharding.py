@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.sharding import DEFAULT_RULES, spec_for
+from jaxpar.parallel.partitioning import DEFAULT_RULES, spec_for
 from tests.helpers import trainer_for
 
 # parameter path -> expected PartitionSpec under the default rules on a 2x4 mesh

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxpar.errors import ConfigError, cli_message
-from jaxpar.strategies import simulator
-from jaxpar.strategies.simulator import (Stragglers, bsp_times, compute_times, parse_stragglers, simulate_ps)
+from jaxpar.cost import simulator
+from jaxpar.cost.simulator import (Stragglers, bsp_times, compute_times, parse_stragglers, simulate_ps)
 
 
 def times(updates):

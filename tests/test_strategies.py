@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.hlo import collective_ops, collective_stats
-from jaxpar.strategies.simulator import parse_stragglers, simulate_ps
+from jaxpar.cost.hlo import collective_ops, collective_stats
+from jaxpar.cost.simulator import parse_stragglers, simulate_ps
 from tests.helpers import batch_for, trainer_for
 
 ATOL = 2e-5
@@ -201,7 +201,7 @@ def test_explicit_strategies_draw_different_dropout_masks_per_replica():
 
 def test_300_steps_of_ring_allreduce_through_the_real_loop():
     trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=jaxpar.Sync("ring"))
-    from jaxpar import data
+    from jaxpar.io import data
     train_split, _ = data.load_digits()
     state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300)
     assert int(state.step) == 300
@@ -281,7 +281,7 @@ def test_examples_count_only_contributing_replicas_under_asp():
     trainer, _, history = train(jaxpar.ASP(stragglers="3:2.0", horizon=6), "4x2", steps=6)
     assert [h["examples"] for h in history] == [16 * h["contributors"] / 4 for h in history]
     assert [h["examples"] for h in history] == [12.0, 16.0, 12.0, 16.0, 12.0, 16.0]
-    from jaxpar.metrics import RunLogger
+    from jaxpar.io.metrics import RunLogger
     import io
     logger = RunLogger(2, 16, 2, stream=io.StringIO())
     logger.on_step(1, {"loss": 1.0, "examples": 12.0})

@@ -6,7 +6,7 @@ import pytest
 from flax import linen as nn
 
 import jaxpar
-from jaxpar import data
+from jaxpar.io import data
 from tests.helpers import batch_for, trainer_for
 
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, NamedTuple, Protocol
 import optax
 from jax.sharding import Mesh
 
-from jaxpar import mesh as mesh_lib
-from jaxpar.collectives import Communicator
-from jaxpar.step import LossFn, TrainState
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.collectives import Communicator
+from jaxpar.train.step import LossFn, TrainState
 
 
 class StepContext(NamedTuple):

@@ -7,10 +7,10 @@ import array
 import itertools
 import numbers
 
-from jaxpar.collectives import Communicator
-from jaxpar.collectives import communicator as make_communicator
+from jaxpar.parallel.collectives import Communicator
+from jaxpar.parallel.collectives import communicator as make_communicator
 from jaxpar.errors import ConfigError
-from jaxpar.strategies.simulator import Stragglers, parse_stragglers, simulate
+from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
 
 
 def check_int(where: str, value, low: int, why: str = "", optional: bool = False) -> None:
@@ -73,7 +73,7 @@ class Clock:
 
     `schedule` holds the whole `Update`s (who delivers, how stale) at unit cost, which is all a server strategy
     replays; they never depend on the profile. `time_after` reads the clock priced by `cost` (variant ->
-    `jaxpar.hardware.StepCost`): a trainer with a hardware profile prices its own copy (`priced`) from its compiled
+    `jaxpar.cost.hardware.StepCost`): a trainer with a hardware profile prices its own copy (`priced`) from its compiled
     steps; without one every step costs one unit and communication is free."""
 
     def __init__(self, stragglers, staleness_bound: int | None = 0, rounds=None, cost=None):

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.sharding import optimizer_shardings
-from jaxpar.step import apply_gradients, check_optimizer, step_key
+from jaxpar.parallel.partitioning import optimizer_shardings
+from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
 from jaxpar.strategies.common import Clock, StrategyBase, check_int
-from jaxpar.strategies.simulator import meeting_rounds
+from jaxpar.cost.simulator import meeting_rounds
 
 SHARDED, BATCH = rep.SHARDED, rep.BATCH
 

@@ -19,10 +19,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import mesh as mesh_lib
-from jaxpar.faults import finite_within, select_tree
-from jaxpar.sharding import is_variable
-from jaxpar.step import loss_and_grad
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.train.faults import finite_within, select_tree
+from jaxpar.parallel.partitioning import is_variable
+from jaxpar.train.step import loss_and_grad
 
 AXIS = mesh_lib.REPLICA_AXIS
 SHARDED = mesh_lib.replica_spec()  # one entry per replica

@@ -24,12 +24,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.errors import JaxparError, OptionError
-from jaxpar.resources import device_memory
-from jaxpar.step import apply_gradients, step_key
+from jaxpar.runtime.resources import device_memory
+from jaxpar.train.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
 from jaxpar.strategies.common import Clock, StrategyBase, check_int
-from jaxpar.strategies.simulator import MAX_SIMULATED_UPDATES, check_update_count
+from jaxpar.cost.simulator import MAX_SIMULATED_UPDATES, check_update_count
 
 
 class SSP(StrategyBase):

@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import mesh as mesh_lib
-from jaxpar.sharding import gathered_over
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.partitioning import gathered_over
 
-from jaxpar.collectives import check_allreduce  # noqa: F401  (config validates with it)
-from jaxpar.step import TrainState, apply_gradients, loss_and_grad, step_key
+from jaxpar.parallel.collectives import check_allreduce  # noqa: F401  (config validates with it)
+from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan
 from jaxpar.strategies.common import Clock, StrategyBase

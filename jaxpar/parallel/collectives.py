@@ -21,7 +21,7 @@ Example (8 CPU devices)::
 
     import jax, jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-    from jaxpar.collectives import allreduce_mean
+    from jaxpar.parallel.collectives import allreduce_mean
 
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "x", "ring"),

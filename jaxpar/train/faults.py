@@ -135,7 +135,7 @@ class ReplicaCheck:
 
     def fingerprints(self, params) -> np.ndarray:
         """[*mesh.shape, parameters]: each device's fingerprint of its copy of each parameter block."""
-        from jaxpar.distributed import to_host
+        from jaxpar.runtime.distributed import to_host
 
         return np.asarray(to_host(self._fn(*jax.tree.leaves(params))))
 

@@ -144,7 +144,7 @@ class Checkpointer:
     """Saves and restores `TrainState`s in `directory` (created if missing), keeping the latest `keep`.
 
         checkpoints = jaxpar.Checkpointer("ckpt", keep=3)
-        state = trainer.fit(state, batches, 1000, actions=[jaxpar.actions.Checkpoint(checkpoints, every=100)])
+        state = trainer.fit(state, batches, 1000, actions=[jaxpar.train.actions.Checkpoint(checkpoints, every=100)])
         checkpoints.wait()
         state, meta, notes = checkpoints.restore(trainer)        # the latest, onto this trainer's mesh
     """

@@ -27,15 +27,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar import mesh as mesh_lib
-from jaxpar import sharding as shd
-from jaxpar.actions import Action, OnStep, StepEvent
-from jaxpar.distributed import to_host
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
+from jaxpar.train.actions import Action, OnStep, StepEvent
+from jaxpar.runtime.distributed import to_host
 from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
-from jaxpar.faults import flag_if_not_finite, keep_if_finite
-from jaxpar.hardware import compiled_cost, parse_hardware
-from jaxpar.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
-from jaxpar.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
+from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
+from jaxpar.cost.hardware import compiled_cost, parse_hardware
+from jaxpar.runtime.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
+from jaxpar.train.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
 from jaxpar.strategies import StepContext, Strategy, Sync
 
 log = logging.getLogger("jaxpar")
@@ -417,7 +417,7 @@ class Trainer:
         return self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
 
     def variant_cost(self, variant: str):
-        """The `jaxpar.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
+        """The `jaxpar.cost.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
         run yet, e.g. a meeting step priced before the first meeting)."""
         if variant not in self.step_costs:
             self._price(variant, self.compiled_step(variant))

@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxpar import strategies as strategies_lib
-from jaxpar.collectives import ALLREDUCE_ALGORITHMS
-from jaxpar.data import path_kind
+from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
+from jaxpar.io.data import path_kind
 from jaxpar.errors import ConfigError
-from jaxpar.hardware import PROFILES, parse_hardware
-from jaxpar.mesh import parse_mesh_spec
-from jaxpar.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
-from jaxpar.strategies.simulator import parse_stragglers
+from jaxpar.cost.hardware import PROFILES, parse_hardware
+from jaxpar.parallel.mesh import parse_mesh_spec
+from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+from jaxpar.cost.simulator import parse_stragglers
 from jaxpar.strategies.sync import check_allreduce
 
 MODELS = ("transformer", "mlp", "cnn")
@@ -129,7 +129,7 @@ def _channels_check(name, value):
 
 def _metrics_check(name, path):
     """Static checks of the metrics path; whether its folder really takes a file is probed when the run opens it
-    (`jaxpar.metrics.JsonlFile`)."""
+    (`jaxpar.io.metrics.JsonlFile`)."""
     if not path:
         return f"{name} {path!r}: empty path; pass a file name such as run.jsonl, or omit {name} to write none"
     kind = path_kind(path)

@@ -21,11 +21,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar import mesh as mesh_lib
-from jaxpar.collectives import theoretical_traffic
-from jaxpar.hardware import collective_seconds
-from jaxpar.hlo import bytes_sent, collective_ops
-from jaxpar.resources import device_memory, step_bytes, step_flops
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.collectives import theoretical_traffic
+from jaxpar.cost.hardware import collective_seconds
+from jaxpar.cost.hlo import bytes_sent, collective_ops
+from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
 
 DATA, FSDP, MODEL = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL
 
@@ -185,7 +185,7 @@ def _communication(ops, variant, trainer, profile) -> list[dict]:
 
 def busiest_sent(ops, devices: int) -> dict:
     """Per mesh axis, the bytes the busiest device sends over it in one step: a ring algorithm's share for group
-    collectives (`jaxpar.hlo.bytes_sent`), and for a collective-permute only its sources (a parameter server's
+    collectives (`jaxpar.cost.hlo.bytes_sent`), and for a collective-permute only its sources (a parameter server's
     root sends (N-1) x B while every other replica sends B)."""
     per_axis: dict = {}
     for op in ops:

@@ -183,7 +183,7 @@ class _Rows:
 
 
 def _unit_cost(variant: str):
-    from jaxpar.hardware import UNIT
+    from jaxpar.cost.hardware import UNIT
     return UNIT
 
 
@@ -192,7 +192,7 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
 
     `rounds(u)` -> the step variants each replica runs for update u, the last of which carries the update
     (default: one step named "step"); a round of several steps needs staleness_bound 0. `cost(variant)` -> a
-    `jaxpar.hardware.StepCost` (default: one unit of compute, free communication). Workers start on version 0 at
+    `jaxpar.cost.hardware.StepCost` (default: one unit of compute, free communication). Workers start on version 0 at
     t = 0; after an update, exactly the delivering workers start their next round, on the new version. The bound
     holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from jaxpar.config import Config
+from jaxpar.cli.config import Config
 from jaxpar.errors import CheckpointError
 
 log = logging.getLogger("jaxpar")
@@ -13,7 +13,7 @@ log = logging.getLogger("jaxpar")
 def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | None, int, dict]:
     """(restored train state, its step, its metadata), or (None, 0, {}) to start fresh when `--resume` finds no
     checkpoint.
-    Sets `batches` (a `jaxpar.data.Batches`) to the saved data position."""
+    Sets `batches` (a `jaxpar.io.data.Batches`) to the saved data position."""
     steps = checkpoints.steps()
     if not steps:
         if config.resume == "required" or config.resume_step is not None:

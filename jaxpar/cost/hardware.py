@@ -4,7 +4,7 @@ A profile gives each device's peak FLOP/s and, per mesh axis, the link its colle
 (seconds per message) and a bandwidth beta (bytes per second, one direction, per device). A step variant then costs
 
     compute = its per-device FLOPs (XLA's cost analysis) / peak
-    comm    = the sum over the collectives it really contains (`jaxpar.hlo.collective_ops`) of
+    comm    = the sum over the collectives it really contains (`jaxpar.cost.hlo.collective_ops`) of
               all-reduce       2(g-1) alpha + 2(g-1)/g R / beta      (ring / bandwidth-optimal)
               all-gather        (g-1) alpha +  (g-1)/g R / beta
               reduce-scatter    (g-1) alpha +   (g-1)  R / beta      (R = the scattered result)
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from jaxpar import mesh as mesh_lib
+from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.errors import OptionError
 
 
@@ -132,7 +132,7 @@ def parse_hardware(spec) -> Profile | None:
 
 
 def collective_seconds(op, profile: Profile) -> float:
-    """Alpha-beta seconds of one `jaxpar.hlo.Collective` on `profile` (see the module docstring)."""
+    """Alpha-beta seconds of one `jaxpar.cost.hlo.Collective` on `profile` (see the module docstring)."""
     g, r = op.group, op.bytes
     if op.kind != "collective-permute" and g <= 1:
         return 0.0
@@ -159,8 +159,8 @@ UNIT = StepCost()  # no profile: one unit of compute per step, communication fre
 
 def compiled_cost(compiled, mesh, profile: Profile) -> StepCost:
     """The `StepCost` of a compiled step (`jax.stages.Compiled`) on `mesh`, priced on `profile`."""
-    from jaxpar.hlo import collective_ops
-    from jaxpar.resources import step_flops
+    from jaxpar.cost.hlo import collective_ops
+    from jaxpar.runtime.resources import step_flops
 
     return step_cost(step_flops(compiled), collective_ops(compiled, mesh), profile)
 

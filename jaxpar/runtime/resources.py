@@ -82,7 +82,7 @@ def device_error(error: Exception, step: int) -> DeviceError:
         first = f"{first.split(':')[0]}: {lines[-1]}"
     lost = ""
     if jax.process_count() > 1:  # a collective failed: usually because another process died
-        from jaxpar.distributed import lost_processes
+        from jaxpar.runtime.distributed import lost_processes
 
         gone = lost_processes()
         if gone:

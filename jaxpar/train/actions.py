@@ -9,7 +9,7 @@ dispatched, since that step donates the state) and `__call__(event)`. `fit` call
         def __call__(self, event):
             print(event.step, event.metrics["loss"])
 
-    state = trainer.fit(state, batches, steps=1000, actions=[PrintLoss(), jaxpar.actions.Evaluate(fn, every=500)])
+    state = trainer.fit(state, batches, steps=1000, actions=[PrintLoss(), jaxpar.train.actions.Evaluate(fn, every=500)])
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class OnStep(Action):
 
 
 class Log(Action):
-    """Progress lines and JSONL records through a `jaxpar.metrics.RunLogger` (which picks the steps it prints)."""
+    """Progress lines and JSONL records through a `jaxpar.io.metrics.RunLogger` (which picks the steps it prints)."""
 
     def __init__(self, logger):
         self.logger = logger
@@ -168,7 +168,7 @@ class Checkpoint(Action):
 
 class CheckReplicas(Action):
     """Every `every` steps: every device's copy of the replicated parameters must be identical (a fingerprint per
-    copy, `jaxpar.faults.ReplicaCheck`); a mismatch raises `ReplicaMismatch` naming the parameter and device."""
+    copy, `jaxpar.train.faults.ReplicaCheck`); a mismatch raises `ReplicaMismatch` naming the parameter and device."""
 
     needs_state = True
 
@@ -177,7 +177,7 @@ class CheckReplicas(Action):
         self._checks: dict = {}
 
     def check(self, trainer, state, step: int) -> None:
-        from jaxpar.faults import ReplicaCheck
+        from jaxpar.train.faults import ReplicaCheck
 
         if id(trainer) not in self._checks:
             self._checks[id(trainer)] = ReplicaCheck(trainer.state_shardings.params, trainer.mesh)

@@ -1,6 +1,6 @@
 """What a compiled step really does: its collectives, read from the optimised HLO text.
 
-Theory (`jaxpar.collectives.theoretical_traffic`) says what an algorithm should send; this module reads what XLA
+Theory (`jaxpar.parallel.collectives.theoretical_traffic`) says what an algorithm should send; this module reads what XLA
 emitted after its own passes (combining, async conversion, dtype promotion), so the two can be compared, priced by
 the cost model (`jaxpar.hardware`) and shown by `jaxpar.explain`.
 

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar import mesh as mesh_lib
+from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.errors import ShardingError
 
 # Megatron-style tensor parallelism (attention heads, the MLP hidden dimension and the vocabulary over the tensor

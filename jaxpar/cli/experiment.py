@@ -19,16 +19,18 @@ import numpy as np
 import optax
 
 import models
-from jaxpar import actions, data, distributed
-from jaxpar import mesh as mesh_lib
-from jaxpar.config import APPLIES_TO, Config
+from jaxpar.train import actions
+from jaxpar.io import data
+from jaxpar.runtime import distributed
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.cli.config import APPLIES_TO, Config
 from jaxpar.errors import CheckpointError, ConfigError, DataError, JaxparError, Preempted, ShardingError, Terminated, cli_message
-from jaxpar.preemption import StopRequest
-from jaxpar.metrics import JsonlFile, RunLogger, TensorBoardFile, records_before
-from jaxpar.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.runtime.preemption import StopRequest
+from jaxpar.io.metrics import JsonlFile, RunLogger, TensorBoardFile, records_before
+from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.strategies import option_default
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 
 def batch_sizes(config: Config, ways: int, replicas: int) -> list[int]:
@@ -263,7 +265,7 @@ def _train(config: Config, jsonl, board=None) -> dict:
         return explain_run(config, trainer, train_batches)
     checkpoints = None
     if config.checkpoint_dir:
-        from jaxpar.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
+        from jaxpar.io.checkpoint import Checkpointer  # orbax is imported only by runs that checkpoint
 
         created = not os.path.exists(config.checkpoint_dir)
         checkpoints = Checkpointer(config.checkpoint_dir, config.keep)
@@ -293,7 +295,7 @@ def _train(config: Config, jsonl, board=None) -> dict:
 
 def explain_run(config: Config, trainer: Trainer, train_batches) -> dict:
     """--explain: the plan, memory, collectives and FLOPs of the first batch's step variants; nothing trains."""
-    from jaxpar.explain import explain, format_explain
+    from jaxpar.cost.explain import explain, format_explain
 
     rows = next(iter(train_batches))  # this process's rows: the step is compiled for the global batch's shape
     batch = {k: jax.ShapeDtypeStruct((trainer.global_rows(len(v)),) + v.shape[1:], v.dtype) for k, v in rows.items()}
@@ -310,7 +312,7 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
     local_bn = config.bn == "local" or strategy.local_statistics
     state, start, meta = None, 0, {}
     if config.resume:
-        from jaxpar.resume import resume_run
+        from jaxpar.cli.resume import resume_run
 
         state, start, meta = resume_run(checkpoints, trainer, config, train_batches)
     if state is None:
@@ -343,7 +345,7 @@ def _run(config, jsonl, trainer, checkpoints, stop, train_batches, held_out, siz
             f"FLOPs and collectives, not this machine's time; flops_utilization is against that profile's peak",
             flush=True)
     elif mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such
-        from jaxpar.resources import measured_matmul_peak
+        from jaxpar.runtime.resources import measured_matmul_peak
 
         peak = measured_matmul_peak()
         say(f"jaxpar: flops_utilization in the metrics is the step's FLOPs (XLA cost analysis) per second against "

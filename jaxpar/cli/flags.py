@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import NamedTuple
 
-from jaxpar.config import GROUPS, OPTIONS, Config, describe
+from jaxpar.cli.config import GROUPS, OPTIONS, Config, describe
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}  # a bool flag takes no value
 

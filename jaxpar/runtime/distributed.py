@@ -5,7 +5,7 @@ collectives go over gloo (TCP), on GPU over NCCL, on TPU over ICI/DCN: jaxpar on
 backend and starts the runtime.
 
     import jaxpar
-    jaxpar.distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=0)   # before anything else uses JAX
+    jaxpar.runtime.distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=0)   # before anything else uses JAX
     mesh = jaxpar.make_mesh("2x4")                                                   # spans both processes
 
 With no arguments, `initialize` takes its settings from the environment: first the variables `jaxpar.launch`
@@ -127,10 +127,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if local_devices:
             _set_cpu_devices(local_devices)
         return False
-    from jaxpar.mesh import backend_started
+    from jaxpar.parallel.mesh import backend_started
 
     if backend_started():
-        raise OptionError("initialize", "late", "jaxpar.distributed.initialize must run before anything else uses "
+        raise OptionError("initialize", "late", "jaxpar.runtime.distributed.initialize must run before anything else uses "
                                                 "JAX (JAX has already started its devices)")
     if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU only; GPUs use NCCL regardless
@@ -144,7 +144,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
 
 def _set_cpu_devices(count: int) -> None:
-    from jaxpar.mesh import user_set_cpu_device_count
+    from jaxpar.parallel.mesh import user_set_cpu_device_count
 
     if not user_set_cpu_device_count():
         jax.config.update("jax_num_cpu_devices", count)
@@ -152,7 +152,7 @@ def _set_cpu_devices(count: int) -> None:
 
 def process_index() -> int:
     """This process's rank (0 in a single process), without starting JAX's devices if nothing has yet."""
-    from jaxpar.mesh import backend_started
+    from jaxpar.parallel.mesh import backend_started
 
     if _started is not None:
         return _started["process_id"]

@@ -1,0 +1,39 @@
+"""The one check of integer arguments and options, for the library and the CLI alike.
+
+    check_int("LocalSGD(period=...)", period, 1, "steps between meetings")   # "..." is replaced by the value
+    check_int("grad_accum", grad_accum, 1, "microbatches per update")         # shown as "grad_accum 0: ..."
+"""
+
+from __future__ import annotations
+
+import numbers
+
+from jaxpar.errors import ConfigError, JaxparError
+
+
+def is_int(value) -> bool:
+    """An integer, not a bool (`period=True` is a mistake, not 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def int_problem(value, low: int, high: int | None = None, why: str = "") -> str | None:
+    """What is wrong with `value` as an integer in [low, high) (None: nothing)."""
+    if is_int(value) and value >= low and (high is None or value < high):
+        return None
+    bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
+    return f"must be {bound}{f' ({why})' if why else ''}"
+
+
+def check_int(where: str, value, low: int, why: str = "", *, high: int | None = None, optional: bool = False,
+              error: type[JaxparError] = ConfigError) -> None:
+    """Raises `error` unless `value` is an integer in [low, high) (None too when `optional`).
+
+    `where` names the argument as written: "LocalSGD(period=...)" (the value replaces "...") or "grad_accum"
+    (the value follows it).
+    """
+    if optional and value is None:
+        return
+    problem = int_problem(value, low, high, why)
+    if problem:
+        shown = where.replace("...", repr(value)) if "..." in where else f"{where} {value!r}"
+        raise error(f"{shown}: {problem}")
