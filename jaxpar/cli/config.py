@@ -34,7 +34,7 @@ from jaxpar.cost.hardware import PROFILES, parse_hardware
 from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 from jaxpar.cost.simulator import parse_stragglers
-from jaxpar.strategies.sync import check_allreduce
+from jaxpar.parallel.collectives import check_allreduce
 
 MODELS = ("transformer", "mlp", "cnn")
 PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]

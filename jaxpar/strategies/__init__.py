@@ -5,12 +5,12 @@ Each strategy class declares its own facts once: `OPTIONS` (the config fields sp
 BatchNorm statistics are per replica). Config, the CLI and experiment read these and never decide them again.
 """
 
-from jaxpar.strategies.base import Plan, StepContext, Strategy
+from jaxpar.strategies.base import Expected, Plan, StepContext, Strategy, Variant
 from jaxpar.strategies.local_sgd import DiLoCo, LocalSGD
 from jaxpar.strategies.stale import ASP, SSP
 from jaxpar.strategies.sync import Sync
 
-__all__ = ["ASP", "SSP", "DiLoCo", "LocalSGD", "Plan", "StepContext", "Strategy", "Sync", "REGISTRY",
+__all__ = ["ASP", "SSP", "DiLoCo", "LocalSGD", "Expected", "Plan", "StepContext", "Strategy", "Sync", "Variant", "REGISTRY",
            "COMMON_OPTIONS", "from_config", "option_default"]
 
 REGISTRY = {cls.name: cls for cls in (Sync, LocalSGD, DiLoCo, SSP, ASP)}
@@ -26,20 +26,7 @@ def option_default(strategy: str, field: str):
 
 def from_config(config) -> Strategy:
     """The strategy a (validated) `jaxpar.Config` asks for; unset (None) options take the strategy's defaults."""
-    import optax
-
-    name = config.strategy
-    value = {f: (getattr(config, f) if getattr(config, f) is not None else option_default(name, f))
-             for f in {**COMMON_OPTIONS, **REGISTRY[name].OPTIONS}}
-    common = {"torus_x": value["torus"], "stragglers": value["stragglers"]}
-    if name == "sync":
-        return Sync(value["allreduce"], **common)
-    common["allreduce"] = value["allreduce"] or "psum"
-    if name == "local_sgd":
-        return LocalSGD(value["sync_period"], value["local_after"], **common)
-    if name == "diloco":
-        outer = optax.sgd(value["outer_lr"], momentum=value["outer_momentum"], nesterov=True)
-        return DiLoCo(value["sync_period"], outer, local_after=value["local_after"], **common)
-    if name == "ssp":
-        return SSP(value["staleness"], horizon=config.steps, **common)
-    return ASP(horizon=config.steps, **common)
+    cls = REGISTRY[config.strategy]
+    options = {f: (getattr(config, f) if getattr(config, f) is not None else option_default(config.strategy, f))
+               for f in {**COMMON_OPTIONS, **cls.OPTIONS}}
+    return cls.from_options(options, config.steps)

@@ -1,24 +1,33 @@
-"""The contract between the trainer and a strategy.
+"""The contract between the trainer and a strategy: a small object of pure functions, in the spirit of optax.
 
-A strategy is a small object of pure functions, in the spirit of optax's `GradientTransformation`:
+A strategy decides how data replicas agree on parameters. It owns every fact about itself; no module outside
+`jaxpar.strategies` names a strategy or a step variant, they ask the strategy:
 
-- `init(ctx, state) -> state`: rearranges a fresh `TrainState` (inside the jitted initialisation), e.g. adds
-  per-replica parameters to `strategy_state`;
+- `init(ctx, state) -> state`: rearranges a fresh, strategy-free `TrainState` (inside the jitted initialisation),
+  e.g. adds per-replica parameters to `strategy_state` (always a dict of named parts);
+- `reduce(state) -> state` (a classmethod: it needs no instance): the inverse, back to the strategy-free state, for
+  a restore onto another mesh, replica count or strategy (per-replica copies averaged as at a meeting, stale
+  versions dropped). It works on any tree with the same nesting: a real `TrainState`, or a checkpoint's arrays
+  nested by name. `kept_on_restore` names the `TrainState` fields of the strategy's own that carry over when the
+  same strategy restores onto another replica count (DiLoCo's outer optimizer state); `REDUCE_NOTE` says what
+  `reduce` did, for the restore's note;
 - `shardings(ctx, shardings) -> shardings`: the `NamedSharding`s of what `init` returns;
-- `steps(ctx) -> {variant: step}`: pure functions `step(state, batch, inputs) -> (state, metrics)`; the trainer
-  jits each once and adds the non-finite check, unless the step has `guards_itself = True` (local SGD's local step
-  checks each replica on its own, so that nothing crosses the replica axis); metrics are scalars, or one value
-  per replica (`[R]` arrays, averaged on the host) from a step that sends nothing between replicas. Several variants exist when communication differs between steps (local SGD's local step has
-  no collective at all; its averaging step does);
+- `steps(ctx) -> {variant name: Variant}`: pure step functions `step(state, batch, inputs) -> (state, metrics)`
+  with what the trainer must know about each (`Variant`); several variants exist when communication differs
+  between steps (local SGD's local step has no collective at all, its meeting does);
+- `variant_shares() -> {variant: share of a long run's steps}` (None: a fixed number of steps at the start);
 - `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small per-step
-  arrays it needs (participation flags, staleness indices) and host-side metrics (simulated time).
+  arrays it needs (participation flags, staleness indices) and host-side metrics;
+- `theory(ctx, variant, gradient_bytes) -> [Expected]`: the data-axis exchanges the variant should contain, for
+  `explain`'s theory lines;
+- `notes() -> [str]`: what a run with this configuration should be told at start-up;
+- `from_options(options, steps)` (a classmethod): the strategy a config asks for, from its `OPTIONS` values
+  (`COMMON_OPTIONS` apply to every strategy; None = the declared default);
+- `clock`: its simulated clock (`sim_time`), priced by the trainer when a hardware profile is given.
 
 Strategies keep no hidden state: `plan` is a pure function of (replica count, step number) and the strategy's
 configuration (memoised per replica count), and everything on device lives in `TrainState`, so it is jitted,
 donated and checkpointed as one.
-
-Each strategy also declares its facts as class attributes: `OPTIONS` (its config fields and their defaults) and
-`local_statistics` (replicas compute on their own slice, so BatchNorm statistics are per replica).
 """
 
 from __future__ import annotations
@@ -53,6 +62,23 @@ class StepContext(NamedTuple):
         return mesh_lib.replica_count(self.mesh)
 
 
+class Variant(NamedTuple):
+    """One step variant of a strategy and what the trainer must know about it."""
+
+    step: "StepFn"  # pure: (state, batch, inputs) -> (state, metrics)
+    guards_itself: bool = False  # it checks each replica's update for non-finite values itself (skip or flag)
+    per_replica_metrics: bool = False  # its metrics are [R] arrays, one value per replica, left where they are
+
+
+class Expected(NamedTuple):
+    """An exchange over the replica axis that theory says a step variant contains (for `explain`)."""
+
+    what: str  # e.g. "gradient average"
+    kind: str  # "all-reduce" (psum / ring / torus2d: 2(N-1)/N x bytes per device) or "ps" ((N-1) x bytes at the root)
+    bytes: int  # the payload per replica
+    share: float = 1.0  # how often per step (a meeting every H steps: 1/H)
+
+
 class Plan(NamedTuple):
     variant: str  # key into `steps(ctx)`
     inputs: dict = {}  # small arrays passed to the step as its third argument
@@ -65,11 +91,29 @@ StepFn = Callable[[TrainState, dict, dict], "tuple[TrainState, dict]"]
 
 class Strategy(Protocol):
     name: str
+    OPTIONS: dict  # its config fields -> their defaults
+    local_statistics: bool  # replicas compute on their own slice, so BatchNorm statistics are per replica
+    kept_on_restore: tuple  # TrainState fields of its own that a restore onto another replica count keeps
+    REDUCE_NOTE: str  # what `reduce` does, for a restore's note ("{replicas}": the saved replica count)
+    communicator: Communicator | None
+    clock: Any
 
     def init(self, ctx: StepContext, state: TrainState) -> TrainState: ...
 
+    @classmethod
+    def reduce(cls, state: TrainState) -> TrainState: ...
+
     def shardings(self, ctx: StepContext, shardings: TrainState) -> TrainState: ...
 
-    def steps(self, ctx: StepContext) -> dict[str, StepFn]: ...
+    def steps(self, ctx: StepContext) -> dict[str, Variant]: ...
+
+    def variant_shares(self) -> dict[str, float | None]: ...
 
     def plan(self, ctx: StepContext, step_number: int) -> Plan: ...
+
+    def theory(self, ctx: StepContext, variant: str, gradient_bytes: int) -> list[Expected]: ...
+
+    def notes(self) -> list[str]: ...
+
+    @classmethod
+    def from_options(cls, options: dict, steps: int) -> "Strategy": ...

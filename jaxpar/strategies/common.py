@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import array
 import itertools
-import numbers
 
+from jaxpar.checks import check_int
+from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
+from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import Communicator
 from jaxpar.parallel.collectives import communicator as make_communicator
-from jaxpar.errors import ConfigError
-from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
+from jaxpar.strategies.base import Expected
 
-
-def check_int(where: str, value, low: int, why: str = "", optional: bool = False) -> None:
-    """Refuses anything but an integer >= `low` (bools included: `period=True` is a mistake, not 1).
-
-    `where` names the argument as it is written, e.g. "LocalSGD(period=...)"; `optional`: None is allowed.
-    """
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        shown = where.replace("...", repr(value))
-        raise ConfigError(f"{shown}: must be an integer >= {low}{f' ({why})' if why else ''}")
+# Counts that only matter up to the run's length are planned for at least this many steps, so that a resumed run
+# that raises --steps within it plans the same (the SSP version buffer, the post-local clock).
+PLAN_FLOOR = 64
 
 
 def as_stragglers(stragglers) -> Stragglers:
@@ -34,6 +27,8 @@ class StrategyBase:
 
     OPTIONS: dict = {}
     local_statistics = True
+    kept_on_restore: tuple = ()
+    REDUCE_NOTE = "its parameters and optimizer state carry over unchanged"
 
     def __init__(self, allreduce, torus_x, stragglers):
         cls = type(self).__name__
@@ -63,8 +58,18 @@ class StrategyBase:
         if self.communicator is not None:
             self.communicator.check(ctx.num_replicas)
 
-    def init_comm_state(self, params):
-        return () if self.communicator is None else self.communicator.init(params)
+    def notes(self) -> list[str]:
+        return []
+
+    def _exchange(self, what: str, gradient_bytes: int, share: float = 1.0) -> Expected:
+        """The replica-axis average of a params-shaped tree, sent by this strategy's communicator."""
+        algorithm = "psum" if self.communicator is None else self.communicator.name
+        return Expected(what, "ps" if algorithm == "ps" else "all-reduce", gradient_bytes, share)
+
+    @classmethod
+    def _common(cls, options: dict) -> dict:
+        """The keyword arguments every strategy takes, from config options (None: the declared default)."""
+        return {"torus_x": options.get("torus"), "stragglers": options.get("stragglers")}
 
 
 class Clock:

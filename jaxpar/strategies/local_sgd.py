@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.parallel.partitioning import optimizer_shardings
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import Clock, StrategyBase, check_int
+from jaxpar.strategies.base import Plan, Variant
+from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
 from jaxpar.cost.simulator import meeting_rounds
 
 SHARDED, BATCH = rep.SHARDED, rep.BATCH
@@ -37,6 +37,7 @@ class LocalSGD(StrategyBase):
     name = "local_sgd"
     OPTIONS: dict = {"sync_period": 4, "local_after": 0}
     local_statistics = True
+    REDUCE_NOTE = "the {replicas} replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
     def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
                  stragglers=None):
@@ -47,7 +48,31 @@ class LocalSGD(StrategyBase):
         self.period, self.local_after = period, local_after
         self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
 
+    @classmethod
+    def from_options(cls, options: dict, steps: int) -> "LocalSGD":
+        return cls(options["sync_period"], min(options["local_after"], max(steps, PLAN_FLOOR)),
+                   allreduce=options.get("allreduce") or "psum", **cls._common(options))
+
     # --- state -----------------------------------------------------------------------------------------------
+    @classmethod
+    def reduce(cls, state):
+        """The strategy-free state: each replica's parameters, optimizer and model state averaged over replicas as
+        at a meeting (floats); counts and RNG keys agree across replicas, so the anchor's (or replica 0's) stay."""
+        own = state.strategy_state
+
+        def average(stacked, anchor):
+            if jnp.issubdtype(stacked.dtype, jnp.floating):
+                return jnp.mean(stacked, axis=0, dtype=jnp.float32).astype(stacked.dtype)
+            return anchor if anchor is not None and anchor.shape == stacked.shape[1:] else stacked[0]
+
+        def part(name, anchor):
+            if anchor is None:
+                return jax.tree.map(lambda x: average(x, None), own[name])
+            return jax.tree.map(average, own[name], anchor)
+
+        return state._replace(params=part("params", None), opt_state=part("opt_state", None),
+                              model_state=part("model_state", state.model_state), strategy_state=())
+
     def _anchor_opt_state(self, ctx, params):
         return ()
 
@@ -85,9 +110,17 @@ class LocalSGD(StrategyBase):
             variant = "local"
         return Plan(variant)
 
+    def theory(self, ctx, variant: str, gradient_bytes: int):
+        if variant == "meet":
+            return [self._exchange("parameters", gradient_bytes, 1 / self.period)]
+        return [self._exchange("gradients", gradient_bytes)] if variant == "sync" else []
+
     # --- steps -------------------------------------------------------------------------------------------------
     def steps(self, ctx):
-        return {"local": self._local_step(ctx), "meet": self._meet_step(ctx), "sync": self._sync_step(ctx)}
+        per_replica = self._metrics_out()[1] != P()
+        return {"local": Variant(self._local_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
+                "meet": Variant(self._meet_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
+                "sync": Variant(self._sync_step(ctx))}
 
     def _replica_update(self, ctx, replica, batch, key, average: bool, comm_state=(), mean_metrics=True):
         grads, model_state, metrics, comm_state = rep.replica_step(
@@ -125,8 +158,6 @@ class LocalSGD(StrategyBase):
             replica, metrics = sharded(state.strategy_state, batch, step_key(state))
             return state._replace(step=state.step + 1, strategy_state=replica), metrics
 
-        step.guards_itself = True
-        step.per_replica_metrics = metrics_spec != P()
         return step
 
     def _sync_step(self, ctx):
@@ -178,8 +209,6 @@ class LocalSGD(StrategyBase):
             return state._replace(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
                                   strategy_state=replica, comm_state=comm_state), metrics
 
-        step.guards_itself = True
-        step.per_replica_metrics = metrics_spec != P()
         return step
 
     def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
@@ -189,6 +218,13 @@ class LocalSGD(StrategyBase):
 class DiLoCo(LocalSGD):
     name = "diloco"
     OPTIONS: dict = {"sync_period": 4, "local_after": 0, "outer_lr": 0.7, "outer_momentum": 0.9}
+    kept_on_restore = ("opt_state",)  # the outer optimizer's state does not depend on the replica count
+
+    @classmethod
+    def from_options(cls, options: dict, steps: int) -> "DiLoCo":
+        outer = optax.sgd(options["outer_lr"], momentum=options["outer_momentum"], nesterov=True)
+        return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
+                   allreduce=options.get("allreduce") or "psum", **cls._common(options))
 
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):

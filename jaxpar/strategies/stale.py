@@ -27,8 +27,8 @@ from jaxpar.errors import JaxparError, OptionError
 from jaxpar.runtime.resources import device_memory
 from jaxpar.train.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan
-from jaxpar.strategies.common import Clock, StrategyBase, check_int
+from jaxpar.strategies.base import Plan, Variant
+from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
 from jaxpar.cost.simulator import MAX_SIMULATED_UPDATES, check_update_count
 
 
@@ -37,6 +37,31 @@ class SSP(StrategyBase):
     OPTIONS: dict = {"staleness": 2}
     local_statistics = True
     bounded = True  # staleness is bounded (ASP: None)
+    REDUCE_NOTE = "its stale parameter versions were dropped: every replica restarts from the current parameters"
+
+    @classmethod
+    def from_options(cls, options: dict, steps: int) -> "SSP":
+        """Plans max(steps, PLAN_FLOOR) updates, so the version buffer is min(S, max(steps, PLAN_FLOOR)) + 1: a
+        resumed run that raises --steps within the floor keeps the buffer its checkpoint holds."""
+        common = {**cls._common(options), "allreduce": options.get("allreduce") or "psum"}
+        horizon = max(steps, PLAN_FLOOR)
+        if not cls.bounded:
+            return cls(horizon=horizon, **common)
+        return cls(options["staleness"], horizon=horizon, **common)
+
+    @classmethod
+    def reduce(cls, state):
+        return state._replace(strategy_state=())
+
+    def notes(self) -> list[str]:
+        if self.stragglers.slowdown or self.stragglers.jitter:
+            return []
+        return [f"strategy {self.name} without a straggler profile (--stragglers): every replica is equally fast, "
+                f"so every update applies every replica's fresh gradient, as sync SGD does (give a straggler "
+                f"profile to see staleness)"]
+
+    def theory(self, ctx, variant: str, gradient_bytes: int):
+        return [self._exchange("gradients", gradient_bytes)]
 
     def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
@@ -135,7 +160,7 @@ class SSP(StrategyBase):
                                   strategy_state={"versions": versions, "version": version + 1},
                                   comm_state=comm_state), metrics
 
-        return {"update": step}
+        return {"update": Variant(step)}
 
 
 class ASP(SSP):

@@ -20,12 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.partitioning import gathered_over
-
-from jaxpar.parallel.collectives import check_allreduce  # noqa: F401  (config validates with it)
-from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_key
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan
+from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import Clock, StrategyBase
+from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_key
 
 
 class Sync(StrategyBase):
@@ -41,7 +39,15 @@ class Sync(StrategyBase):
         """Explicit allreduce: replicas compute on their own slice (shard_map), so BatchNorm statistics are local."""
         return self.communicator is not None
 
+    @classmethod
+    def from_options(cls, options: dict, steps: int) -> "Sync":
+        return cls(options.get("allreduce"), **cls._common(options))
+
     def init(self, ctx, state):
+        return state
+
+    @classmethod
+    def reduce(cls, state):
         return state
 
     def shardings(self, ctx, shardings):
@@ -55,8 +61,11 @@ class Sync(StrategyBase):
     def plan(self, ctx, step_number: int) -> Plan:
         return Plan("sync")
 
+    def theory(self, ctx, variant: str, gradient_bytes: int):
+        return [self._exchange("gradients", gradient_bytes)]
+
     def steps(self, ctx):
-        return {"sync": self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx)}
+        return {"sync": Variant(self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx))}
 
     def _compiler_step(self, ctx):
         zero3 = mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1

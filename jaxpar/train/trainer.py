@@ -138,13 +138,13 @@ class Trainer:
         steps = self.strategy.steps(self._ctx)
         # variants whose metrics are one value per replica ([R], left where they are: gathering them would be a
         # collective over the replica axis); `fit` reports their mean
-        self._per_replica = {name for name, fn in steps.items() if getattr(fn, "per_replica_metrics", False)}
-        self._steps = {name: jax.jit(functools.partial(self._traced_step, name, fn),
+        self._per_replica = {name for name, variant in steps.items() if variant.per_replica_metrics}
+        self._steps = {name: jax.jit(functools.partial(self._traced_step, name, variant),
                                      in_shardings=(self.state_shardings, self.batch_sharding, None),
                                      out_shardings=(self.state_shardings,
                                                     None if name in self._per_replica else shd.replicated(mesh)),
                                      donate_argnums=0)
-                       for name, fn in steps.items()}
+                       for name, variant in steps.items()}
         self._last_per_replica = False  # whether the latest step's metrics are per replica
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
@@ -169,6 +169,11 @@ class Trainer:
     def _expand(self, neutral: TrainState) -> TrainState:
         return self.strategy.init(self._ctx, neutral)
 
+    def expand(self, neutral: TrainState) -> TrainState:
+        """The train state of this trainer's strategy built from a strategy-free one (`strategy.init`, jitted and
+        placed by `state_shardings`): what a restore onto another strategy or replica count starts from."""
+        return jax.jit(self._expand, out_shardings=self.state_shardings)(neutral)
+
     def abstract_state(self, neutral: bool = False) -> TrainState:
         """The train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), without computing it;
         `neutral`: the state before the strategy adds its own (placed like the parameters)."""
@@ -183,12 +188,12 @@ class Trainer:
         return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                             for x, s in zip(leaves, placed, strict=True)])
 
-    def _traced_step(self, name, fn, state, batch, inputs):
-        out = fn(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
+    def _traced_step(self, name, variant, state, batch, inputs):
+        out = variant.step(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
         # (a step that `guards_itself` checked, and under skip kept, each replica's state on its own)
-        if self.skip_nonfinite and not getattr(fn, "guards_itself", False):
+        if self.skip_nonfinite and not variant.guards_itself:
             out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
-        elif not getattr(fn, "guards_itself", False):
+        elif not variant.guards_itself:
             out = flag_if_not_finite(*out, self.state_shardings, self.mesh)
         count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
         if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
