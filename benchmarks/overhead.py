@@ -1,6 +1,6 @@
 """jaxpar's train step against a hand-written `jax.jit` step with `NamedSharding`, same model, mesh and batch.
 
-    python benchmarks/overhead.py --mesh 2x4 --rounds 5 --steps 20
+    python -m benchmarks.overhead --mesh 2x4 --rounds 5 --steps 20
 
 Runs alternate (trainer, hand-written, trainer, ...) in one process so machine noise hits both alike; prints the
 median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step). The trainer's step includes
@@ -9,14 +9,10 @@ the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) 
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
 
 
 def main():
@@ -35,18 +31,11 @@ def main():
     import optax
     from flax import nnx
 
-    import models
-    from jaxpar.io import data
     from jaxpar.parallel import partitioning as sharding
 
-    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
-    factory, loss_fn, tx = models.factory(config), models.LOSSES[args.model], optax.adamw(1e-3)
-    if args.model == "transformer":
-        batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), args.batch_size, config.seq_len, 0))
-    else:
-        batch = next(data.array_batches(data.load_digits()[0], args.batch_size, 0))
-
-    trainer = jaxpar.Trainer(factory, loss_fn, tx, mesh, skip_nonfinite=not args.no_skip)
+    parts = common.setup(args.model, dropout=0.0, batch_size=args.batch_size)
+    factory, loss_fn, batch, tx = parts.factory, parts.loss_fn, parts.batch, optax.adamw(1e-3)
+    trainer = common.trainer(parts, mesh, tx, skip_nonfinite=not args.no_skip)
     trainer_batch = trainer.shard_batch(batch)
 
     # The hand-written baseline: what a JAX user writes without jaxpar.
@@ -80,33 +69,17 @@ def main():
 
     state = trainer.init(0)
 
-    def run_trainer(n):
+    def trainer_step():
         nonlocal state
-        previous = None
-        for _ in range(n):
-            state, metrics = trainer.step(state, trainer_batch)
-            if previous is not None:
-                jax.block_until_ready(previous)  # the same two-in-flight bound as Trainer.fit
-            previous = metrics["loss"]
-        jax.block_until_ready(previous)
+        state, metrics = trainer.step(state, trainer_batch)
+        return metrics
 
-    def run_hand(n):
+    def hand_jit_step():
         nonlocal params, opt_state, rest
-        previous = None
-        for _ in range(n):
-            params, opt_state, rest, metrics = hand(params, opt_state, rest, hand_batch)
-            if previous is not None:
-                jax.block_until_ready(previous)
-            previous = metrics["loss"]
-        jax.block_until_ready(previous)
+        params, opt_state, rest, metrics = hand(params, opt_state, rest, hand_batch)
+        return metrics
 
-    run_trainer(3), run_hand(3)  # compile and warm up
-    rates = {"jaxpar": [], "hand_jit": []}
-    for _ in range(args.rounds):
-        for name, fn in (("jaxpar", run_trainer), ("hand_jit", run_hand)):
-            start = time.perf_counter()
-            fn(args.steps)
-            rates[name].append(args.steps / (time.perf_counter() - start))
+    rates = common.alternating_rates({"jaxpar": trainer_step, "hand_jit": hand_jit_step}, args.rounds, args.steps)
     result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "skip_nonfinite": not args.no_skip,
               "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
               "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
@@ -116,6 +89,13 @@ def main():
     print(f"{'hand jit':10s}{result['hand_jit_steps_per_sec']:28.2f}")
     print(f"ratio jaxpar / hand-written: {result['ratio']:.3f}")
     print(json.dumps(result))
+
+
+def summarize(rows):
+    """The key numbers of the suite's summary (`python -m benchmarks`) from this script's JSON rows."""
+    r = rows[-1]
+    return [f"jaxpar / hand-written jit **{r['ratio']:.3f}** ({r['jaxpar_steps_per_sec']:.2f} vs "
+            f"{r['hand_jit_steps_per_sec']:.2f} steps/s; {r.get('model')} on `{r.get('mesh')}`)"]
 
 
 if __name__ == "__main__":
