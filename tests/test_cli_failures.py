@@ -164,13 +164,25 @@ def test_lr_schedule_of_a_billion_steps_is_built_from_the_ramp_stages():
         [0.1, 0.1, 0.2, 0.2, 0.4, 0.4])
 
 
-def test_the_simulated_clock_is_lazy_and_matches_bsp_times():
-    stragglers = parse_stragglers("1:2.0,jitter=0.3,seed=4")
-    clock = bsp_clock(stragglers, 4, period=3, sync_steps=10 ** 12)  # post-local SGD that never gets local
-    first = [next(clock) for _ in range(5000)]
-    np.testing.assert_allclose(first, bsp_times(stragglers, 4, 5000), rtol=0, atol=1e-9)
-    local = bsp_clock(stragglers, 4, period=3)
-    np.testing.assert_allclose([next(local) for _ in range(9)], bsp_times(stragglers, 4, 9, period=3))
+def test_the_simulated_clock_matches_a_clock_computed_by_hand_and_is_lazy():
+    # 3 replicas, replica 1 twice as slow (compute 1, 2, 1 per step), unit compute, free communication.
+    stragglers = parse_stragglers("1:2.0")
+    # Period 1 (sync SGD): every step waits for replica 1, so the clock after step k is 2k.
+    assert bsp_times(stragglers, 3, 5).tolist() == [2.0, 4.0, 6.0, 8.0, 10.0]
+    # Period 3 (local SGD): in a round the replicas' clocks after each local step are (1, 2, 1), (2, 4, 2), (3, 6, 3).
+    # Local steps report the mean: 4/3, 8/3; the meeting waits for the slowest: 6. The next round starts at 6:
+    # (7, 8, 7) -> 22/3, (8, 10, 8) -> 26/3, meeting at 6 + 6 = 12.
+    np.testing.assert_allclose(bsp_times(stragglers, 3, 6, period=3), [4 / 3, 8 / 3, 6.0, 22 / 3, 26 / 3, 12.0],
+                               rtol=0, atol=1e-12)
+    # Post-local SGD: 2 sync steps (2, 4), then rounds of 3 from t = 4: means of (5, 6, 5) and (6, 8, 6), meeting at 10.
+    clock = bsp_clock(stragglers, 3, period=3, sync_steps=2)
+    np.testing.assert_allclose([next(clock) for _ in range(5)], [2.0, 4.0, 16 / 3, 20 / 3, 10.0], rtol=0, atol=1e-12)
+    # Lazy: a run that never leaves its sync steps is produced step by step; its 100,000th step is at 2 x 100,000.
+    started = time.perf_counter()
+    endless = bsp_clock(stragglers, 3, period=3, sync_steps=10 ** 12)
+    for _ in range(99_999):
+        next(endless)
+    assert next(endless) == 200_000.0 and time.perf_counter() - started < 20
 
 
 def test_ssp_schedule_length_is_bounded_with_a_one_line_error(capsys):
