@@ -1,5 +1,5 @@
 """Built-in Flax NNX models: `factory(config, ...)` gives a `rngs -> nnx.Module` constructor, `loss_for(config)` its
-loss."""
+loss; `REGISTRY` (models/registry.py) is the one list of them."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import functools
 
 import jax.numpy as jnp
 
+from models.batches import check_batch
 from models.cnn import CNN
 from models.losses import check_labels, classification_loss, lm_loss
 from models.mlp import MLP
+from models.registry import LOSSES, MODELS, REGISTRY, ModelSpec, spec
 from models.transformer import Transformer
-
-LOSSES = {"transformer": lm_loss, "mlp": classification_loss, "cnn": classification_loss}
 
 
 def factory(config, bn_groups: int = 1):
@@ -23,16 +23,7 @@ def factory(config, bn_groups: int = 1):
     """
     config = _resolved(config)
     dtype = jnp.bfloat16 if getattr(config, "dtype", "float32") == "bfloat16" else None
-    if config.model == "transformer":
-        return lambda rngs: Transformer(vocab=config.vocab, seq_len=config.seq_len, layers=config.layers,
-                                        d_model=config.d_model, heads=config.heads, d_ff=config.d_ff,
-                                        dropout=config.dropout, dtype=dtype, rngs=rngs)
-    if config.model == "mlp":
-        return lambda rngs: MLP(hidden=config.hidden, dropout=config.dropout, dtype=dtype, rngs=rngs)
-    if config.model == "cnn":
-        return lambda rngs: CNN(channels=tuple(config.channels), dropout=config.dropout, bn_groups=bn_groups,
-                                dtype=dtype, rngs=rngs)
-    raise ValueError(f"unknown model {config.model!r}")
+    return spec(config.model).build(config, dtype, bn_groups)
 
 
 def _resolved(config):
@@ -40,10 +31,10 @@ def _resolved(config):
 
 
 def loss_for(config):
-    """`config.model`'s loss with the config's label smoothing."""
+    """`config.model`'s loss (which checks each batch shape's keys and dtypes) with the config's label smoothing."""
     config = _resolved(config)
-    return functools.partial(LOSSES[config.model], label_smoothing=getattr(config, "label_smoothing", 0.0))
+    return functools.partial(spec(config.model).loss, label_smoothing=getattr(config, "label_smoothing", 0.0))
 
 
-__all__ = ["CNN", "MLP", "Transformer", "LOSSES", "check_labels", "factory", "loss_for", "classification_loss",
-           "lm_loss"]
+__all__ = ["CNN", "MLP", "Transformer", "LOSSES", "MODELS", "REGISTRY", "ModelSpec", "check_batch", "check_labels",
+           "factory", "loss_for", "spec", "classification_loss", "lm_loss"]

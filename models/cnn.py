@@ -15,6 +15,7 @@ class CNN(nnx.Module):
                  dropout: float = 0.0, bn_groups: int = 1, dtype=None, *, rngs: nnx.Rngs):
         """bn_groups: 1 = synchronised BatchNorm (global-batch statistics); the data-axis size = local BatchNorm."""
         c1, c2 = channels
+        self.in_channels = in_channels  # (the batch check reads it)
         # conv1 splits its output channels over `model`, conv2 its input channels (Megatron's column/row pairing).
         self.conv1 = nnx.Conv(in_channels, c1, (3, 3), rngs=rngs, dtype=dtype,
                               kernel_init=nnx.with_partitioning(_he, (None, None, None, "mlp")),

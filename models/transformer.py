@@ -55,6 +55,7 @@ class Transformer(nnx.Module):
                  d_ff: int = 512, dropout: float = 0.1, dtype=None, *, rngs: nnx.Rngs):
         if d_model % heads:
             raise ValueError(f"d_model {d_model} must divide by heads {heads}")
+        self.seq_len = seq_len  # the longest input (the batch check reads it)
         self.token_embed = nnx.Embed(vocab, d_model, rngs=rngs, dtype=dtype,
                                      embedding_init=nnx.with_partitioning(_init, ("vocab", "embed")))
         self.pos_embed = nnx.Embed(seq_len, d_model, rngs=rngs, dtype=dtype,
