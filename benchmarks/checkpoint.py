@@ -1,6 +1,6 @@
 """What checkpointing costs: the default transformer trained with a checkpoint every N steps against none.
 
-    python benchmarks/checkpoint.py --mesh 2x4 --every 10 --steps 40 --rounds 5
+    python -m benchmarks.checkpoint --mesh 2x4 --every 10 --steps 40 --rounds 5
 
 Rounds alternate (with checkpoints, without, with, ...) in one process on one trainer, so machine noise hits both
 alike. Each round is `fit` for --steps steps, timed to its end (a round with checkpoints also waits until its last
@@ -11,13 +11,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
 
 
 def main():
@@ -32,15 +30,14 @@ def main():
     import jax
     import optax
 
-    import models
     from jaxpar.train import actions
     from jaxpar.io import data
     from jaxpar.io.checkpoint import Checkpointer
 
-    config = jaxpar.Config().resolved()  # the default run: transformer, batch 32, seq 128
-    trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), optax.adamw(config.lr), mesh)
-    batches = data.prefetch_to_device(
-        data.text_batches(data.load_text(max_bytes=1 << 20), config.batch_size, config.seq_len, 0), trainer.shard_batch)
+    parts = common.setup()  # the default run: transformer, batch 32, seq 128
+    config = parts.config
+    trainer = common.trainer(parts, mesh, optax.adamw(config.lr))
+    batches = data.prefetch_to_device(common.batches(config), trainer.shard_batch)
     state = trainer.fit(trainer.init(0), batches, 3)  # compile
     jax.block_until_ready(state)
     with tempfile.TemporaryDirectory() as folder:
@@ -65,6 +62,13 @@ def main():
           f"{result['samples_per_sec_without']:.1f} samples/s, ratio {result['ratio']:.3f} "
           f"(median of {args.rounds} alternating rounds of {args.steps} steps; {size:,} bytes on disk for 2 kept)")
     print(json.dumps(result))
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`) from this script's JSON rows."""
+    r = rows[-1]
+    return [f"with / without checkpoints **{r['ratio']:.3f}** ({r['samples_per_sec_with']:.1f} vs "
+            f"{r['samples_per_sec_without']:.1f} samples/s, every {r['every']} steps on `{r['mesh']}`)"]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The allreduce algorithms of `jaxpar.collectives` inside the real train step: collectives XLA emitted vs theory,
 and step time, on the 8-device data axis (mesh "8", i.e. 8 x 1).
 
-    python benchmarks/collectives.py                              # transformer (default config, dropout 0)
-    python benchmarks/collectives.py --model mlp --steps 50       # the digits MLP (tiny gradients: latency bound)
-    python benchmarks/collectives.py --fsdp                       # FSDP (ZeRO-3) traffic on 5 meshes, vs theory
+    python -m benchmarks.collectives                              # transformer (default config, dropout 0)
+    python -m benchmarks.collectives --model mlp --steps 50       # the digits MLP (tiny gradients: latency bound)
+    python -m benchmarks.collectives --fsdp                       # FSDP (ZeRO-3) traffic on 5 meshes, vs theory
 
 For each variant (`Sync()`: the partitioner's all-reduce, labelled "gspmd"; `Sync("psum")`, `Sync("ring")`,
 `Sync("torus2d")`, `Sync("ps")`: the explicit `shard_map` average) the step is lowered and compiled, and
@@ -19,7 +19,7 @@ how XLA:CPU moves them is not visible in HLO. Besides the gradient, each step re
 accuracy; in the gspmd/psum steps they ride in the gradient's all-reduce, +8 bytes).
 
 Step time: rounds of `--steps` timed steps per variant alternate in one process (gspmd, psum, ring, torus2d, ps,
-gspmd, ...) with the same two-steps-in-flight loop as `benchmarks/overhead.py`; the median steps/s and its ratio
+gspmd, ...) with the same two-steps-in-flight loop as `benchmarks.overhead`; the median steps/s and its ratio
 to psum are printed.
 
 On one CPU host the "network" is memory: a collective-permute is a memcpy between buffers of one process, and
@@ -48,15 +48,12 @@ are listed per mesh below the table, not counted as fsdp traffic.
 
 import argparse
 import json
-import os
 import re
 import statistics
-import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
+from benchmarks.report import num
 
 VARIANTS = (("gspmd", None), ("psum", "psum"), ("ring", "ring"), ("torus2d", "torus2d"), ("ps", "ps"))
 KINDS = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter")
@@ -97,53 +94,20 @@ def main():
         allreduce_table(args, mesh)
 
 
-def setup(args):
-    import models
-    from jaxpar.io import data
-
-    config = jaxpar.Config(model=args.model, dropout=0.0, batch_size=args.batch_size).resolved()
-    factory, loss_fn = models.factory(config), models.LOSSES[args.model]
-    if args.model == "transformer":
-        batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), args.batch_size, config.seq_len, 0))
-    else:
-        batch = next(data.array_batches(data.load_digits()[0], args.batch_size, 0))
-    return config, factory, loss_fn, batch
-
-
-def timed_rates(trainer, state, sharded_batch, steps, rounds, warmup=3):
-    """steps/s of each round (after `warmup` steps), with at most two steps in flight as in `Trainer.fit`."""
-    import jax
-
-    rates = []
-    for count in [warmup] + [steps] * rounds:
-        start, previous = time.perf_counter(), None
-        for _ in range(count):
-            state, metrics = trainer.step(state, sharded_batch, 0)
-            if previous is not None:
-                jax.block_until_ready(previous)
-            previous = metrics["loss"]
-        jax.block_until_ready(previous)
-        rates.append(count / (time.perf_counter() - start))
-    return rates[1:], state
-
-
 def allreduce_table(args, mesh):
-
     import jax
-    import optax
 
     from jaxpar.parallel.collectives import theoretical_traffic
     from jaxpar.cost.hlo import collective_stats
 
-    config, factory, loss_fn, batch = setup(args)
+    parts = common.setup(args.model, dropout=0.0, batch_size=args.batch_size)
     n = mesh.shape["data"]
 
-    runs, results = {}, {}
+    steps, results = {}, {}
     for label, algorithm in VARIANTS:
-        trainer = jaxpar.Trainer(factory, loss_fn, optax.adamw(1e-3), mesh, strategy=jaxpar.Sync(algorithm))
+        trainer = common.trainer(parts, mesh, strategy=jaxpar.Sync(algorithm))
         state = trainer.init(0)
-        sharded_batch = trainer.shard_batch(batch)
-        compiled = trainer._steps["sync"].lower(state, sharded_batch, {}).compile()
+        compiled = trainer.compiled_step("sync", parts.batch)
         stats = collective_stats(compiled)
         sent = permute_bytes_sent(compiled.as_text())
         grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)
@@ -154,28 +118,9 @@ def allreduce_table(args, mesh):
             **{f"{k}_count": stats[k]["count"] for k in KINDS}, **{f"{k}_bytes": stats[k]["bytes"] for k in KINDS},
             "permute_bytes_sent_max_device": max(sent.values(), default=0),
             "theory_steps": theory["steps"], "theory_bytes_sent_per_device": theory["bytes_sent_per_device"]}
-        runs[label] = [trainer, state, sharded_batch]
+        steps[label] = stepper(trainer, state, trainer.shard_batch(parts.batch))
 
-    def run(label, steps):
-        entry = runs[label]
-        trainer, state, sharded_batch = entry
-        previous = None
-        for _ in range(steps):
-            state, metrics = trainer.step(state, sharded_batch, 0)  # step_number only feeds Sync's sim clock
-            if previous is not None:
-                jax.block_until_ready(previous)  # the same two-in-flight bound as Trainer.fit
-            previous = metrics["loss"]
-        jax.block_until_ready(previous)
-        entry[1] = state
-
-    for label, _ in VARIANTS:
-        run(label, 3)  # compile and warm up
-    rates = {label: [] for label, _ in VARIANTS}
-    for _ in range(args.rounds):
-        for label, _ in VARIANTS:
-            start = time.perf_counter()
-            run(label, args.steps)
-            rates[label].append(args.steps / (time.perf_counter() - start))
+    rates = common.alternating_rates(steps, args.rounds, args.steps)
     for label, _ in VARIANTS:
         results[label]["steps_per_sec"] = statistics.median(rates[label])
     for label, _ in VARIANTS:
@@ -203,6 +148,16 @@ def allreduce_table(args, mesh):
         print(json.dumps(results[label]))
 
 
+def stepper(trainer, state, sharded_batch):
+    """A step function for `common.run_steps`: one `trainer.step` on `sharded_batch`, the state carried along."""
+    def step():
+        nonlocal state
+        state, metrics = trainer.step(state, sharded_batch, 0)  # step_number only feeds Sync's sim clock
+        return metrics
+
+    return step
+
+
 # --- FSDP ----------------------------------------------------------------------------------------------------------
 def device_bytes(tree) -> int:
     """Bytes the fullest device holds of a tree of placed arrays (summed over its shards)."""
@@ -217,20 +172,17 @@ def device_bytes(tree) -> int:
 
 def fsdp_table(args):
     import jax
-    import optax
 
     from jaxpar.parallel import mesh as mesh_lib
     from jaxpar.cost.hlo import bytes_sent, collective_ops, collective_stats
 
-    config, factory, loss_fn, batch = setup(args)
+    parts = common.setup(args.model, dropout=0.0, batch_size=args.batch_size)
     rows = []
     for spec in args.meshes.split(";"):
         mesh = jaxpar.make_mesh(spec)
-        trainer = jaxpar.Trainer(factory, loss_fn, optax.adamw(1e-3), mesh, strategy=jaxpar.Sync())
+        trainer = common.trainer(parts, mesh, strategy=jaxpar.Sync())
         state = trainer.init(0)
-        sharded_batch = trainer.shard_batch(batch)
-        inputs = trainer.strategy.plan(trainer._ctx, 0).inputs
-        compiled = trainer._steps["sync"].lower(state, sharded_batch, inputs).compile()
+        compiled = trainer.compiled_step("sync", parts.batch)
         stats, ops = collective_stats(compiled), collective_ops(compiled.as_text(), mesh)
         for kind in FSDP_KINDS:  # the two parsers must agree before the split by axes is trusted
             mine = (sum(o.kind == kind for o in ops), sum(o.bytes for o in ops if o.kind == kind))
@@ -273,9 +225,10 @@ def fsdp_table(args):
             "fsdp_sent_per_device": sent, "fsdp_sent_params_grads_per_device": sent_params,
             "fsdp_theory_sent_per_device": 3 * (n - 1) / n * fsdp_group_bytes,
             "breakdown": [f"{k} over {a} (g={g}): {c} / {b:,}" for (k, a, g), (c, b) in sorted(breakdown.items())]})
-        rates, state = timed_rates(trainer, state, sharded_batch, args.steps, args.rounds)
-        rows[-1]["steps_per_sec"] = statistics.median(rates)
-        del trainer, state, sharded_batch, compiled
+        step = stepper(trainer, state, trainer.shard_batch(parts.batch))
+        rows[-1]["steps_per_sec"] = statistics.median(common.alternating_rates({spec: step}, args.rounds,
+                                                                               args.steps)[spec])
+        del trainer, state, step, compiled
 
     print(f"{args.model} (dropout 0), Sync() (partitioner's collectives), global batch {args.batch_size}, adamw; "
           f"total parameter bytes {rows[0]['param_bytes_total']:,} float32; collective n / bytes = count / result "
@@ -305,6 +258,39 @@ def fsdp_table(args):
         print(f"  {r['mesh']}: " + "; ".join(r["breakdown"]))
     for r in rows:
         print(json.dumps(r))
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`) from the JSON rows of either table."""
+    return summarize_fsdp(rows) if "fsdp_sent_per_device" in rows[0] else summarize_allreduce(rows)
+
+
+def summarize_allreduce(rows):
+    first = rows[0]
+    lines = [f"{first.get('model')} on `{first.get('mesh')}`, gradient {num(first.get('gradient_bytes'))} B; "
+             f"bytes sent per device vs theory, steps/s vs psum:"]
+    for r in rows:
+        theory, sent = r["theory_bytes_sent_per_device"], r["permute_bytes_sent_max_device"]
+        if sent:
+            bytes_part = f"sent {num(sent)} / theory {num(theory)} = **{sent / theory:.3f}**"
+        else:  # the partitioner's / psum's all-reduce: result bytes only (how XLA:CPU moves them is not in HLO)
+            bytes_part = f"all-reduce of {num(r['all-reduce_bytes'])} B (theory sends {num(theory)})"
+        lines.append(f"{r['variant']}: {bytes_part}; **{r['ratio_to_psum']:.2f}x** psum "
+                     f"({r['steps_per_sec']:.2f} steps/s)")
+    return lines
+
+
+def summarize_fsdp(rows):
+    lines = ["FSDP traffic measured / theory 3(N-1)/N P_f: all (params + grads only):"]
+    for r in rows:
+        theory = r.get("fsdp_theory_sent_per_device")
+        if theory:
+            lines.append(f"`{r['mesh']}`: **{r['fsdp_sent_per_device'] / theory:.2f}** "
+                         f"({r['fsdp_sent_params_grads_per_device'] / theory:.2f}); {r['steps_per_sec']:.2f} steps/s")
+        else:
+            lines.append(f"`{r['mesh']}`: no fsdp axis; {r['steps_per_sec']:.2f} steps/s")
+    return lines
+
 
 if __name__ == "__main__":
     main()

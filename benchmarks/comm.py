@@ -1,7 +1,7 @@
 """Collective bytes against theory for every strategy on several meshes, from the compiled steps (no training).
 
-    python benchmarks/comm.py                         # digits MLP (hidden 128), global batch 64
-    python benchmarks/comm.py --model transformer     # the default transformer, global batch 32
+    python -m benchmarks.comm                         # digits MLP (hidden 128), global batch 64
+    python -m benchmarks.comm --model transformer     # the default transformer, global batch 32
 
 For each strategy (sync with the partitioner's all-reduce and with the ring / torus2d / ps communicators, local SGD
 and DiLoCo with H = 4, SSP S = 2, ASP) and mesh, every step variant is compiled by `jaxpar.explain` and its
@@ -15,13 +15,10 @@ same for the fsdp axis (ZeRO-3: 3 (F-1)/F x P_f). "unexpected": collectives theo
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
 
 MESHES = ("8", "2x4", "data=2,fsdp=2,model=2", "fsdp=8")
 
@@ -50,25 +47,19 @@ def main():
 
     import optax
 
-    import models
-    from jaxpar.io import data
-
     if args.model == "mlp":
-        config = jaxpar.Config(model="mlp", hidden=128, dropout=0.0).resolved()
-        batch = next(data.array_batches(data.load_digits()[0], 64, 0))
+        parts = common.setup("mlp", hidden=128, dropout=0.0, batch_size=64)
     else:
-        config = jaxpar.Config(dropout=0.0).resolved()
-        batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), 32, config.seq_len, 0))
-    blocks = config.layers if args.model == "transformer" else None
+        parts = common.setup("transformer", dropout=0.0, batch_size=32)
+    blocks = parts.config.layers if args.model == "transformer" else None
     rows, started = [], time.perf_counter()
     for spec in args.meshes.split(";"):
         mesh = jaxpar.make_mesh(spec)
         for label, build in strategies():
             strategy = build()
             try:
-                trainer = jaxpar.Trainer(models.factory(config), models.LOSSES[args.model], optax.adam(1e-3), mesh,
-                                         strategy=strategy)
-                report = jaxpar.explain(trainer, batch, blocks=blocks)
+                trainer = common.trainer(parts, mesh, optax.adam(1e-3), strategy=strategy)
+                report = jaxpar.explain(trainer, parts.batch, blocks=blocks)
             except jaxpar.JaxparError as error:  # e.g. ps / torus2d on one replica
                 print(f"{spec:24s} {label:20s} skipped: {str(error).splitlines()[0]}", flush=True)
                 continue
@@ -104,6 +95,19 @@ def main():
           "meet 0.25)")
     for r in rows:
         print(json.dumps(r))
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`): per mesh and strategy, the bytes the busiest device sends
+    over data per step (variants weighted by their share) against theory, and any collective theory does not
+    explain."""
+    lines = [f"{rows[0].get('model')}: data-axis bytes sent per step by the busiest device / theory:"]
+    for r in rows:
+        theory = r.get("data_theory_per_step")
+        ratio = f"**{r['data_sent_per_step'] / theory:.3f}**" if theory else "no exchange"
+        unexpected = sum(v.get("unexpected", 0) for v in r.get("variants", {}).values())
+        lines.append(f"`{r['mesh']}` {r['strategy']}: {ratio}" + (f", {unexpected} unexpected" if unexpected else ""))
+    return lines
 
 
 if __name__ == "__main__":

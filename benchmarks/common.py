@@ -31,7 +31,7 @@ def batches(config, seed: int = 0):
 
     if config.model == "transformer":
         return data.text_batches(data.load_text(max_bytes=TEXT_BYTES), config.batch_size, config.seq_len, seed)
-    return data.array_batches(data.load_digits()[0], config.batch_size, seed)
+    return data.array_batches(data.load_digits()[0], config.batch_size, seed, "digits training split")
 
 
 def setup(model: str = "transformer", **fields) -> Setup:

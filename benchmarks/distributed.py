@@ -2,8 +2,8 @@
 against 2 processes x 4 devices on the default transformer.
 
     pip install torch==2.13.0          # benchmark only (`pip install -e '.[bench]'`); never a jaxpar dependency
-    python benchmarks/distributed.py ddp --rounds 5 --steps 30
-    python benchmarks/distributed.py processes --rounds 2 --steps 40
+    python -m benchmarks.distributed ddp --rounds 5 --steps 30
+    python -m benchmarks.distributed processes --rounds 2 --steps 40
 
 `ddp`: 2 processes x 1 CPU device, each process both a JAX process (jax.distributed, gloo) and a torch process
 (torch.distributed, gloo). The same model (256-1024-10, GELU), global batch 512 (256 rows per process), AdamW
@@ -27,7 +27,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 GLOBAL_BATCH, IN, HIDDEN, OUT = 512, 256, 1024, 10
 
@@ -144,8 +143,9 @@ def ddp(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rates.json")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        workers = [subprocess.Popen([sys.executable, __file__, "_ddp_worker", str(rank), str(jax_port),
-                                     str(torch_port), str(args.rounds), str(args.steps), out], env=env)
+        workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.distributed", "_ddp_worker", str(rank),
+                                     str(jax_port), str(torch_port), str(args.rounds), str(args.steps), out],
+                                    cwd=ROOT, env=env)
                    for rank in range(2)]
         codes = [w.wait(timeout=1800) for w in workers]
         if any(codes):

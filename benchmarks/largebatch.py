@@ -1,7 +1,7 @@
 """Large-batch recipes on digits: test accuracy after a fixed number of epochs, global batch 32 ... 1024.
 
-    python benchmarks/largebatch.py                                   # mlp, 6 batch sizes x 4 recipes
-    python benchmarks/largebatch.py --batches 32,256,1024 --seeds 0,1 --out benchmarks/largebatch.jsonl
+    python -m benchmarks.largebatch                                   # mlp, 6 batch sizes x 4 recipes
+    python -m benchmarks.largebatch --batches 32,256,1024 --seeds 0,1 --out benchmarks/largebatch.jsonl
 
 Every run trains the same model (MLP, hidden 128) from the same seeds (initialisation and data order; default 0, 1
 and 2, the table shows their mean) for the same number of epochs (default 30) of the 1,497-example digits training
@@ -28,7 +28,8 @@ its first-step value at some step (a loss spike; the run may or may not recover)
 non-finite.
 
 Runs are sequential in one process on 8 CPU devices sharing the cores; the default (6 x 4 x 3 = 72 runs, 24
-compilations) took 3 min 6 s on 2 shared CPU cores (`time python benchmarks/largebatch.py`); per-run wall times include compilation on the first seed.
+compilations) took 3 min 6 s on 2 shared CPU cores (`time python benchmarks/largebatch.py`, as it was run then);
+per-run wall times include compilation on the first seed.
 """
 
 import argparse
@@ -36,13 +37,11 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
-from jaxpar.parallel.mesh import batch_ways, parse_mesh_spec  # noqa: E402
+import jaxpar
+from benchmarks import common
+from jaxpar.parallel.mesh import batch_ways, parse_mesh_spec
 
 TRAIN_SIZE = 1497  # digits training split (jaxpar.io.data.load_digits)
 TEST_EVAL = 296  # first 296 of the 300 test digits: divides by a data axis of 1, 2, 4 or 8
@@ -145,14 +144,13 @@ def main():
                 scaling, uses_warmup, smoothing = RECIPES[recipe]
                 smoothing = args.label_smoothing if smoothing else 0.0
                 warmup = min(max(math.ceil(args.warmup_epochs * TRAIN_SIZE / batch), 1), steps) if uses_warmup else 0
-                config = jaxpar.Config(model=args.model, mesh=args.mesh, dropout=0.0, hidden=128, batch_size=batch,
-                                       label_smoothing=smoothing)
+                parts = common.setup(args.model, mesh=args.mesh, dropout=0.0, hidden=128, batch_size=batch,
+                                     label_smoothing=smoothing)
                 schedule = schedules.lr_schedule(args.lr, steps, scaling=scaling,
                                                  base_batch_size=args.base_batch_size, batch_at=lambda step: batch,
                                                  warmup_steps=warmup, schedule=args.schedule)
                 optimizer = optax.sgd(schedule, momentum=args.momentum)
-                trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), optimizer, mesh,
-                                         eval_loss_fn=models.LOSSES[args.model])
+                trainer = common.trainer(parts, mesh, optimizer, eval_loss_fn=models.LOSSES[args.model])
                 peak_lr = args.lr * (batch / args.base_batch_size if scaling == "linear" else 1.0)
                 for seed in seeds:
                     started = time.perf_counter()
@@ -167,8 +165,7 @@ def main():
                         worst[0] = loss if not math.isfinite(loss) else max(worst[0], loss)
 
                     state = trainer.init(seed)
-                    state = trainer.fit(state, data.Batches(data.ArraySource(train), batch, seed,
-                                                            "digits training split"), steps, on_step=on_step)
+                    state = trainer.fit(state, common.batches(parts.config, seed), steps, on_step=on_step)
                     held = jax.device_get(trainer.evaluate(state, test_batch))
                     fitted = jax.device_get(trainer.evaluate(state, train_batch))
                     run = {"model": args.model, "mesh": args.mesh, "batch_size": batch, "recipe": recipe,
@@ -227,6 +224,23 @@ def print_tables(runs, batches, recipes, seeds, args):
             print(f"{batch:6d}{steps_for(args.epochs, batch):7d}{lr_b:8.3g}" + "".join(cells))
     print(f"each ! = one seed whose training batch loss rose above {SPIKE:g}x its first-step value (a loss spike); "
           f"* = a seed whose loss became non-finite (div: the mean is non-finite)")
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`): test accuracy per batch size and recipe, mean of seeds."""
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [f"test accuracy, mean of seeds {','.join(map(str, seeds))} (* = a seed diverged):"]
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    for batch in dict.fromkeys(r["batch_size"] for r in rows):
+        cells = []
+        for recipe in recipes:
+            chosen = [r for r in rows if r["batch_size"] == batch and r["recipe"] == recipe]
+            if chosen:
+                mean = statistics.mean(r["test_accuracy"] for r in chosen)
+                cells.append(f"{recipe} {mean:.4f}" + "*" * sum(bool(r.get("diverged")) for r in chosen))
+        steps = next(r.get("steps") for r in rows if r["batch_size"] == batch)
+        lines.append(f"batch {batch} ({steps} steps): " + ", ".join(cells))
+    return lines
 
 
 if __name__ == "__main__":

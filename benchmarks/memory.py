@@ -1,7 +1,7 @@
 """Per-device memory against the mesh: the train state's bytes per device and the compiled step's, no training.
 
-    python benchmarks/memory.py                                   # default transformer and the digits MLP, 5 meshes
-    python benchmarks/memory.py --models transformer --meshes "fsdp=8;2x4"
+    python -m benchmarks.memory                                   # default transformer and the digits MLP, 5 meshes
+    python -m benchmarks.memory --models transformer --meshes "fsdp=8;2x4"
 
 For each model (the default transformer, `jaxpar.Config().resolved()`: 2 blocks, d_model 128, 4 heads, d_ff 512,
 seq_len 128, batch 32; and the digits MLP, hidden 128, batch 32; both with adamw) and each mesh of `--meshes`
@@ -30,31 +30,14 @@ should be 1/8 per device (printed, never asserted). One JSON line per (model, me
 import argparse
 import json
 import math
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
 
 MESHES = ("8", "1x8", "fsdp=8", "2x4", "data=2,fsdp=2,model=2")
 MODELS = ("transformer", "mlp")
 CHECKED = ("1x8", "fsdp=8")  # meshes that should hold 1/8 of the sharded state per device
-
-
-def setup(model):
-    """(config, model factory, loss, a real global batch) for `model`."""
-    import models
-    from jaxpar.io import data
-
-    config = (jaxpar.Config() if model == "transformer" else jaxpar.Config(model=model)).resolved()
-    factory, loss_fn = models.factory(config), models.LOSSES[model]
-    if model == "transformer":
-        batch = next(data.text_batches(data.load_text(max_bytes=1 << 20), config.batch_size, config.seq_len, 0))
-    else:
-        batch = next(data.array_batches(data.load_digits()[0], config.batch_size, 0))
-    return config, factory, loss_fn, batch
 
 
 def itemsize(dtype) -> int:
@@ -83,20 +66,18 @@ def sharded_leaves_total(tree) -> int:
     return out
 
 
-def measure(model, spec, parts):
+def measure(model, spec, parts: common.Setup):
     import jax
-    import optax
 
-    config, factory, loss_fn, batch = parts
     base = {"model": model, "mesh": spec}
     try:
         mesh = jaxpar.make_mesh(spec)
-        trainer = jaxpar.Trainer(factory, loss_fn, optax.adamw(1e-3), mesh)
-        if config.batch_size % trainer.batch_divisor:
-            raise jaxpar.ConfigError(f"batch {config.batch_size} does not divide by the batch axes "
+        trainer = common.trainer(parts, mesh)
+        if parts.config.batch_size % trainer.batch_divisor:
+            raise jaxpar.ConfigError(f"batch {parts.config.batch_size} does not divide by the batch axes "
                                      f"({trainer.batch_divisor})")
         start = time.perf_counter()
-        report = jaxpar.explain(trainer, batch)
+        report = jaxpar.explain(trainer, parts.batch)
         seconds = time.perf_counter() - start
     except jaxpar.JaxparError as error:
         return {**base, "skipped": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
@@ -165,7 +146,7 @@ def main():
     start = time.perf_counter()
     rows = []
     for model in chosen:
-        parts = setup(model)
+        parts = common.setup(model)  # the config's defaults
         model_rows = []
         for spec in specs:
             row = measure(model, spec, parts)
@@ -192,6 +173,21 @@ def main():
     for r in rows:
         print(json.dumps(r))
     print(f"total {time.perf_counter() - start:.1f} s")
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`) from this script's JSON rows."""
+    lines = ["train state per device / total (sharded part per device / its total):"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        cells = []
+        for r in (r for r in rows if r["model"] == model):
+            if "skipped" in r:
+                cells.append(f"`{r['mesh']}` skipped")
+            else:
+                sharded = f" ({r['sharded_ratio']:.4f})" if r.get("sharded_ratio") else ""
+                cells.append(f"`{r['mesh']}` **{r['ratio']:.4f}**{sharded}")
+        lines.append(f"{model}: " + ", ".join(cells))
+    return lines
 
 
 if __name__ == "__main__":

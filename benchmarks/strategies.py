@@ -1,7 +1,7 @@
 """Update strategies under two hardware profiles: steps and simulated seconds to a target loss, and held-out quality.
 
-    python benchmarks/strategies.py                                   # both tasks, default steps
-    python benchmarks/strategies.py --task mlp --max-steps 320 --out benchmarks/strategies.jsonl
+    python -m benchmarks.strategies                                   # both tasks, default steps
+    python -m benchmarks.strategies --task mlp --max-steps 320 --out benchmarks/strategies.jsonl
 
 Mesh "4x2" (4 data replicas x 2-way tensor parallel). Strategies, all built from the library classes: sync,
 local_sgd H=4, local_sgd H=16, diloco (H=4, outer Nesterov lr 0.7 / momentum 0.9), ssp S=2, asp.
@@ -38,12 +38,11 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jaxpar  # noqa: E402
+import jaxpar
+from benchmarks import common
+from benchmarks.report import num
 
 STRAGGLERS = "3:2.0"
 DEFAULT_STEPS = {"mlp": 320, "transformer": 320}
@@ -73,7 +72,7 @@ def priced_times(trainer, strategy, hardware, batch, steps):
     from jaxpar.cost.hardware import compiled_cost, parse_hardware
 
     profile = parse_hardware(hardware)
-    first = strategy.plan(trainer._ctx, 0)
+    first = strategy.plan(trainer.ctx, 0)
     costs = {}
     for variant in strategy.variant_shares():
         compiled = trainer.compiled_step(variant, batch, first.inputs if first.variant == variant else {})
@@ -83,35 +82,33 @@ def priced_times(trainer, strategy, hardware, batch, steps):
 
 
 def make_task(name):
-    """(model factory, loss_fn, batch iterator factory(seed), held-out evaluation(trainer, state) -> dict)."""
+    """(`common.Setup` of the task's model, batch iterator factory(seed), held-out evaluation(trainer, state) ->
+    dict)."""
     import jax
 
-    import models
     from jaxpar.io import data
 
     if name == "mlp":
-        config = jaxpar.Config(model="mlp", dropout=0.0, hidden=128, batch_size=64)
-        train, test = data.load_digits()
-        test = {k: v[:296] for k, v in test.items()}
+        parts = common.setup("mlp", dropout=0.0, hidden=128, batch_size=64)
+        test = {k: v[:296] for k, v in data.load_digits()[1].items()}
 
         def held_out(trainer, state):
             metrics = jax.device_get(trainer.evaluate(state, test))
             return {"test_accuracy": float(metrics["accuracy"]), "test_loss": float(metrics["loss"])}
 
-        return (models.factory(config), models.LOSSES["mlp"],
-                lambda seed: data.array_batches(train, config.batch_size, seed, "digits training split"), held_out)
+        return parts, lambda seed: common.batches(parts.config, seed), held_out
 
-    config = jaxpar.Config(model="transformer", dropout=0.0, layers=1, d_model=64, heads=4, d_ff=256, seq_len=64,
-                           batch_size=32)
-    train_tokens, val_tokens = data.split_text(data.load_text(max_bytes=1 << 20), seq_len=config.seq_len)
+    parts = common.setup("transformer", dropout=0.0, layers=1, d_model=64, heads=4, d_ff=256, seq_len=64,
+                         batch_size=32)
+    config = parts.config
+    train_tokens, val_tokens = data.split_text(data.load_text(max_bytes=common.TEXT_BYTES), seq_len=config.seq_len)
     val_batches = [b for _, b in zip(range(4), data.text_batches(val_tokens, config.batch_size, config.seq_len, 1))]
 
     def held_out(trainer, state):
         losses = [float(jax.device_get(trainer.evaluate(state, b))["loss"]) for b in val_batches]
         return {"val_loss": sum(losses) / len(losses)}
 
-    return (models.factory(config), models.LOSSES["transformer"],
-            lambda seed: data.text_batches(train_tokens, config.batch_size, config.seq_len, seed), held_out)
+    return parts, lambda seed: data.text_batches(train_tokens, config.batch_size, config.seq_len, seed), held_out
 
 
 def smoothed(losses):
@@ -131,8 +128,8 @@ def run_strategy(task, label, strategy, mesh, steps, task_parts):
     import jax
     import optax
 
-    factory, loss_fn, batches, held_out = task_parts
-    trainer = jaxpar.Trainer(factory, loss_fn, optax.adam(3e-3), mesh, strategy=strategy)
+    parts, batches, held_out = task_parts
+    trainer = common.trainer(parts, mesh, optax.adam(3e-3), strategy=strategy)
 
     start = time.perf_counter()
     warm = getattr(strategy, "period", 1) + 1  # every step variant (local, meet, ...) compiled at least once
@@ -178,7 +175,7 @@ def main():
     try:
         for task in tasks:
             steps = args.max_steps or DEFAULT_STEPS[task]
-            parts = make_task(task)
+            task_parts = make_task(task)
             target = args.target_loss
             rows = []
             for label, build, scheduled in strategies(steps):
@@ -187,7 +184,7 @@ def main():
                     key = stragglers if scheduled else None
                     if key not in runs:
                         strategy = build(key)
-                        runs[key] = (strategy, *run_strategy(task, label, strategy, mesh, steps, parts))
+                        runs[key] = (strategy, *run_strategy(task, label, strategy, mesh, steps, task_parts))
                         print(f"  {label:15s} stragglers {key or 'none'}: {runs[key][3]:.1f} s training, "
                               f"{runs[key][4]:.1f} s setup", flush=True)
                     strategy, records, held, wall, setup, trainer = runs[key]
@@ -197,7 +194,7 @@ def main():
                         print(f"{task}: target = {target:.3f}, the lowest {SMOOTH}-step mean training loss of sync "
                               f"within its first {len(half)} steps", flush=True)
                     clocked = build(stragglers)  # the scenario's straggler profile prices the clock
-                    batch = next(iter(parts[2](0)))
+                    batch = next(iter(task_parts[1](0)))
                     times, costs = priced_times(trainer, clocked, hardware, batch, steps)
                     hit = first_reaching(records, target)
                     row = {"task": task, "strategy": label, "scenario": scenario, "hardware": hardware,
@@ -247,6 +244,30 @@ def print_table(task, steps, target, rows, mesh):
     print(f"\nscenarios: {profiles}. steps: the first step whose {SMOOTH}-step mean training loss is <= "
           f"{target:.3f}; sim ms: the simulated clock then. Final loss and {metric} of the slow-link run (local SGD / "
           f"DiLoCo: the anchor's). Step costs (compute, comm in seconds) per variant are in the JSON rows.")
+
+
+LABEL_KEYS = ("task", "scenario", "profile", "hardware", "strategy")
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`): every row's label and its `*_to_target` keys."""
+    lines = []
+    for r in rows:
+        targets = {k: v for k, v in r.items() if k.endswith("_to_target")}
+        if not targets:
+            continue
+        label = " / ".join(str(r[k]) for k in LABEL_KEYS if isinstance(r.get(k), (str, int, float)))
+        if not label:
+            label = " / ".join(str(v) for v in r.values() if isinstance(v, str))
+        shown = ", ".join(f"{k.removesuffix('_to_target')} {'never' if v is None else num(v)}"
+                          for k, v in targets.items())
+        lines.append(f"{label}: {shown}")
+    if not lines:
+        return [f"{len(rows)} JSON rows, none with a `*_to_target` key"]
+    targets = {str(r.get("task", "all")): r["target_loss"] for r in rows if "target_loss" in r}
+    if targets:
+        lines.insert(0, "target loss: " + ", ".join(f"{t} {num(v)}" for t, v in targets.items()))
+    return lines
 
 
 if __name__ == "__main__":
