@@ -41,10 +41,10 @@ def resume_run(checkpoints, trainer, config: Config, batches) -> tuple[object | 
     state, meta, notes = checkpoints.restore(trainer, step)
     for line in notes:
         log.warning(line)
-    newer = checkpoints.set_aside_newer(step)
-    if newer:
-        log.warning(f"checkpoints of steps {', '.join(map(str, newer))} are newer than the resumed step {step}: "
-                    f"moved to {checkpoints.directory}/superseded/ (not deleted)")
+    moved = checkpoints.set_aside_newer(step)
+    if moved:
+        log.warning(f"checkpoints of steps {', '.join(map(str, moved))} are newer than the resumed step {step}: "
+                    f"moved to {', '.join(moved.values())} (not deleted)")
     if meta.get("batches"):
         batches.set_state(meta["batches"])
     return state, step, meta
