@@ -36,10 +36,13 @@ def run_section(text: str) -> str:
     return re.sub(r"`[^`]*`", lambda m: "" if OTHER_PROGRAM.match(m.group(0)[1:]) else m.group(0), text)
 
 
+ROW = re.compile(r"^\| `(--[a-z][a-z0-9-]*)", re.M)  # a table row of its own: | `--flag ARG` | default | meaning |
+
+
 def test_every_run_flag_is_in_the_cli_reference():
-    documented = set(FLAG.findall(run_section(cli_reference())))
+    documented = set(ROW.findall(run_section(cli_reference())))
     missing = sorted(run_flags() - documented)
-    assert not missing, f"flags of python run.py --help missing from docs/cli.md: {missing}"
+    assert not missing, f"flags of python run.py --help without their row (default, meaning) in docs/cli.md: {missing}"
 
 
 def test_every_flag_the_cli_reference_names_is_real():
