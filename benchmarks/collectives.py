@@ -59,7 +59,6 @@ VARIANTS = (("gspmd", None), ("psum", "psum"), ("ring", "ring"), ("torus2d", "to
 KINDS = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter")
 FSDP_MESHES = ("fsdp=8", "data=2,fsdp=4", "data=2,fsdp=2,model=2", "fsdp=4,model=2", "8")
 FSDP_KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
-SHORT = {"all-reduce": "AR", "collective-permute": "CP", "all-gather": "AG", "reduce-scatter": "RS"}
 
 
 def permute_bytes_sent(hlo_text: str) -> dict[int, int]:
