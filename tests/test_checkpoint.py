@@ -152,6 +152,37 @@ def test_a_manifest_being_written_meanwhile_is_not_listed_in_another(tmp_path):
     assert verify(str(tmp_path)).endswith("is corrupted (its checksum differs from the one written with it)")
 
 
+def test_no_manifest_is_written_after_wait_returns(tmp_path, monkeypatch):
+    """`save` starts a thread that writes the manifest once orbax has renamed the folder; `wait` joins it, so a
+    file changed after `wait` (as the corruption test does) is never listed in a manifest written later."""
+    import threading
+    import time
+
+    from jaxpar.io.checkpoint import checkpointer
+
+    written = []  # (thread, time the manifest write ended)
+    original, background = checkpointer.write_manifest, threading.Event()
+
+    def slow_in_background(folder):
+        if threading.current_thread() is not threading.main_thread():
+            background.set()
+            time.sleep(1.0)  # a late background writer
+        original(folder)
+        written.append((threading.current_thread().name, time.monotonic()))
+
+    monkeypatch.setattr(checkpointer, "write_manifest", slow_in_background)
+    trainer, state = trained(steps=1)
+    checkpoints = Checkpointer(str(tmp_path))
+    checkpoints.save(1, state, trainer.strategy, trainer.num_replicas)
+    assert background.wait(60)  # the background writer has found the renamed folder and is writing
+    checkpoints.wait()
+    returned = time.monotonic()
+    time.sleep(1.5)  # time enough for a writer that was not joined to finish
+    assert written and all(end <= returned for _, end in written), (written, returned)
+    assert any(name != threading.main_thread().name for name, _ in written)  # the background writer did write
+    assert checkpoints.restore(trainer)[0] is not None
+
+
 def test_an_interrupted_save_is_never_listed(tmp_path):
     """SIGKILL right after `save` returns (the write still running in orbax's background thread)."""
     script = textwrap.dedent(f"""
@@ -237,7 +268,7 @@ def test_a_perturbed_copy_on_one_device_is_named():
     state.params["hidden"]["kernel"].value = bad
     check = ReplicaCheck(trainer.state_shardings.params, trainer.mesh)
     device = trainer.mesh.devices[2, 0, 1]
-    with pytest.raises(ReplicaMismatch, match=rf"^replica check at step 7: parameter hidden\.kernel: "
+    with pytest.raises(ReplicaMismatch, match=rf"^replica check at step 7: parameter hidden\.kernel\.value: "
                                               rf"the copy on {device} \(data=2,model=1\) differs from the copy on "):
         check.check(state.params, 7)
 
