@@ -90,12 +90,18 @@ def test_child_environment_replaces_the_inherited_device_count():
 
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "2"], "give the program after --"),
-    (["--nproc", "0", "--", "run.py"], "--nproc 0: must be >= 1"),
+    (["--nproc", "0", "--", "run.py"], "--nproc 0: must be an integer >= 1 (processes)"),
+    # the launcher's own port, checked before any process starts (not once per process, as run.py's --coordinator)
+    (["--nproc", "2", "--port", "99999", "--", "run.py"], "--port 99999: must be an integer in [1, 65536)"),
+    (["--nproc", "2", "--port", "0", "--", "run.py"], "--port 0: must be an integer in [1, 65536)"),
     (["--nproc", "2", "--", "missing.py"], "'missing.py': no such file"),
 ])
-def test_launcher_usage_errors_are_one_line(argv, message, capsys):
+def test_launcher_usage_errors_are_one_line(argv, message, capsys, monkeypatch):
+    started = []
+    monkeypatch.setattr(launch.Launcher, "start", lambda self: started.append(self))
     with pytest.raises(SystemExit) as stop:
         launch.main(argv)
+    assert started == []  # nothing was started
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

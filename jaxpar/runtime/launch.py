@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from jaxpar.checks import int_problem
+
 # gloo prints "[Gloo] Rank k is connected to n peer ranks. Expected number of connected peer ranks is : n" from
 # several threads at once, so its pieces arrive interleaved across lines
 NOISE = re.compile(r"\[Gloo\]\s*|Rank\s+\d*\s*|\d*\s*is connected to\s*\d*\s*|\d*\s*peer ranks\.\s*|"
@@ -179,10 +181,12 @@ def parse(argv) -> argparse.Namespace:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the program after --, e.g. python -m jaxpar.launch --nproc 2 -- run.py --mesh 2x4")
-    if args.nproc < 1:
-        parser.error(f"--nproc {args.nproc}: must be >= 1")
-    if args.devices_per_process is not None and args.devices_per_process < 1:
-        parser.error(f"--devices-per-process {args.devices_per_process}: must be >= 1")
+    for flag, value, low, high, why in (("--nproc", args.nproc, 1, None, "processes"),
+                                        ("--devices-per-process", args.devices_per_process, 1, None, "CPU devices"),
+                                        ("--port", args.port, 1, 65536, "a TCP port")):
+        problem = None if value is None else int_problem(value, low, high, why)
+        if problem:  # before anything starts: a bad port would otherwise fail in every process
+            parser.error(f"{flag} {value}: {problem}")
     args.command = command
     return args
 
