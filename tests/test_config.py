@@ -175,7 +175,7 @@ def test_bn_sync_check_is_not_decided_again_by_config(monkeypatch):
 
 def test_models_read_resolved_configs(monkeypatch):
     for name in ("Transformer", "MLP", "CNN"):
-        monkeypatch.setattr(models, name, lambda **kwargs: kwargs)  # what the model would be built with
+        monkeypatch.setattr(models.registry, name, lambda **kwargs: kwargs)  # what the model would be built with
     assert models.factory(Config(layers=1, d_model=32))(None)["layers"] == 1
     assert {k: v for k, v in models.factory(Config(layers=1, d_model=32))(None).items()
             if k in ("seq_len", "vocab", "heads", "d_ff")} == {"seq_len": 128, "vocab": 256, "heads": 4, "d_ff": 512}

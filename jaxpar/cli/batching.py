@@ -1,0 +1,50 @@
+"""The global batch sizes of a run, checked against the devices the batch is split over and --grad-accum; and the
+one message for a batch size that does not divide over those devices."""
+
+from __future__ import annotations
+
+from jaxpar.errors import ConfigError
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.train.schedules import parse_batch_ramp
+
+
+def indivisible_batch(size: int, ways: int, flag: str | None = None, mesh: str | None = None) -> str | None:
+    """The one line for a global batch of `size` rows that does not divide over the `ways` devices of the batch axes
+    (None: it divides). `flag` names the setting (e.g. "--batch-size"; None: "global batch size"), `mesh` the
+    --mesh it was given with."""
+    if size % ways == 0 and size > 0:
+        return None
+    axes = " x ".join(mesh_lib.BATCH_AXES)
+    where = f"{axes} of --mesh {mesh}" if mesh else f"{axes} = {ways} devices"
+    good = max(ways, size // ways * ways)
+    return (f"{flag or 'global batch size'} {size} does not divide by the {ways} devices the batch is split over "
+            f"({where}); use a multiple of {ways}, e.g. {f'{flag} ' if flag else ''}{good}")
+
+
+def batch_sizes(config, ways: int, replicas: int) -> list[int]:
+    """Every global batch size the run will use (ramp stages that start at or after --steps never run and are not
+    checked), checked against the batch axes and --grad-accum."""
+    if config.batch_ramp:
+        sizes = [size for start, size in parse_batch_ramp(config.batch_ramp, ways, config.steps)
+                 if start < config.steps]
+        flag = "--batch-ramp"
+    else:
+        sizes, flag = [config.batch_size], "--batch-size"
+    for size in sizes:
+        problem = indivisible_batch(size, ways, flag, config.mesh)
+        if problem:
+            raise ConfigError(problem)
+        if (size // replicas) % config.grad_accum:
+            raise ConfigError(f"--grad-accum {config.grad_accum} does not divide the per-replica batch "
+                              f"{size // replicas} ({flag} {size} / {replicas} replicas)")
+    return sizes
+
+
+def static_batch_sizes(config) -> None:
+    """`batch_sizes` from the --mesh spec alone, before any device exists (nothing to do with a -1 in it)."""
+    shape = dict(zip(mesh_lib.AXES, mesh_lib.parse_mesh_spec(config.mesh)))
+    if -1 not in shape.values():
+        ways = 1
+        for axis in mesh_lib.BATCH_AXES:
+            ways *= shape[axis]
+        batch_sizes(config, ways, shape[mesh_lib.REPLICA_AXIS])
