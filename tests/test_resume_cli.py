@@ -148,3 +148,33 @@ def test_resume_required_refuses_an_empty_folder_and_creates_none(tmp_path, caps
     assert capsys.readouterr().err == (f"run.py: error: --checkpoint-dir {str(folder)!r}: holds no checkpoint to "
                                        f"resume from (--resume required); run without --resume to start fresh\n")
     assert not folder.exists()  # a run that saved nothing leaves no folder behind
+
+
+def test_superseded_checkpoints_are_never_replaced(tmp_path, capsys):
+    """Resuming an older step twice (the first time with another strategy): each set-aside step 4 is kept."""
+    folder = tmp_path / "ckpt"
+    common = [*BASE, "--steps", "4", "--checkpoint-dir", str(folder), "--checkpoint-every", "2"]
+    assert run.main(common) == 0
+    assert run.main([*common, "--resume", "--resume-step", "2", "--strategy", "local_sgd", "--sync-period", "2"]) == 0
+    out, _ = capsys.readouterr()
+    aside = folder / "superseded"
+    assert (f"jaxpar: note: checkpoints of steps 4 are newer than the resumed step 2: moved to {aside / '4'} (not "
+            f"deleted)") in out
+    assert run.main([*common, "--resume", "--resume-step", "2"]) == 0
+    out, _ = capsys.readouterr()
+    assert (f"jaxpar: note: checkpoints of steps 4 are newer than the resumed step 2: moved to {aside / '4.1'} (not "
+            f"deleted)") in out
+    strategies = {name: json.load(open(aside / name / "meta" / "metadata"))["strategy"] for name in ("4", "4.1")}
+    assert strategies == {"4": "sync", "4.1": "local_sgd"}  # the first one set aside is still there, as it was
+    assert sorted(os.listdir(aside)) == ["4", "4.1"]
+
+
+def test_a_folder_that_is_not_a_checkpoint_gets_one_line_and_no_orbax_warnings(tmp_path):
+    (tmp_path / "5").mkdir()
+    (tmp_path / "5" / "notes.txt").write_text("not a checkpoint")
+    result = subprocess.run([sys.executable, "run.py", *BASE, "--steps", "8", "--checkpoint-dir", str(tmp_path),
+                             "--resume"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "absl" not in result.stderr + result.stdout and "Metadata file" not in result.stderr + result.stdout
+    assert result.stderr.startswith(f"run.py: error: --checkpoint-dir {str(tmp_path)!r}: the checkpoint of step 5 "
+                                    f"is unusable: ") and result.stderr.count("\n") == 1, result.stderr
