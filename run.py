@@ -1,4 +1,4 @@
-"""Command line: flags -> jaxpar.Config -> jaxpar.cli.experiment.train(config).   python run.py --mesh 2x4 --help"""
+"""Command line: flags -> jaxpar.Config -> jaxpar.cli.training.train(config).   python run.py --mesh 2x4 --help"""
 
 import argparse
 import logging
@@ -8,11 +8,12 @@ import sys
 import threading
 
 import jaxpar
-from jaxpar.cli.config import load_config_file, same_file
+from jaxpar.cli.files import load_config_file
 from jaxpar.errors import Preempted, Terminated, cli_message
 from jaxpar.runtime.resources import DeviceError
-from jaxpar.cli.experiment import train
 from jaxpar.cli.flags import add_flags, overrides
+from jaxpar.cli.paths import same_file
+from jaxpar.cli.training import train
 
 
 class Parser(argparse.ArgumentParser):

@@ -12,10 +12,10 @@ def indivisible_batch(size: int, ways: int, flag: str | None = None, mesh: str |
     """The one line for a global batch of `size` rows that does not divide over the `ways` devices of the batch axes
     (None: it divides). `flag` names the setting (e.g. "--batch-size"; None: "global batch size"), `mesh` the
     --mesh it was given with."""
-    if size % ways == 0 and size > 0:
+    if size % ways == 0:
         return None
     axes = " x ".join(mesh_lib.BATCH_AXES)
-    where = f"{axes} of --mesh {mesh}" if mesh else f"{axes} = {ways} devices"
+    where = f"{axes} of --mesh {mesh}" if mesh else axes
     good = max(ways, size // ways * ways)
     return (f"{flag or 'global batch size'} {size} does not divide by the {ways} devices the batch is split over "
             f"({where}); use a multiple of {ways}, e.g. {f'{flag} ' if flag else ''}{good}")
