@@ -138,6 +138,21 @@ def test_ssp_1_with_a_3x_slower_worker():
     assert s1[-1].sim_time == 150.0
 
 
+def test_ssp_0_is_bsp_by_hand():
+    # 3 replicas with compute times 1, 2 and 0.5 per step. BSP: every update waits for replica 1 (2 per step), so the
+    # k-th update completes at 2k, holds all three gradients, each computed on the version just before it (staleness
+    # 0). SSP(1) on the same profile is not BSP: replica 2 applies alone at t = 0.5 (the others' version-0 gradients
+    # become 1 stale, within the bound); at t = 1 replicas 0 and 2 would make replica 1's 2 stale, so all wait for t = 2.
+    profile = parse_stragglers("1:2.0,2:0.5")
+    updates = simulate_ps(profile, 3, 0, 6)
+    assert times(updates) == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert [u.participants.tolist() for u in updates] == [[True, True, True]] * 6
+    assert [u.staleness.tolist() for u in updates] == [[0, 0, 0]] * 6
+    ssp1 = simulate_ps(profile, 3, 1, 2)
+    assert times(ssp1) == [0.5, 2.0] and ssp1[0].participants.tolist() == [False, False, True]
+    assert ssp1[1].participants.tolist() == [True, True, True] and ssp1[1].staleness.tolist() == [1, 1, 0]
+
+
 def random_profiles(count, seed=0):
     rng = np.random.default_rng(seed)
     for _ in range(count):
@@ -149,8 +164,10 @@ def random_profiles(count, seed=0):
 def test_ssp_limits_over_random_profiles():
     for stragglers, num_replicas in random_profiles(60):
         bsp = simulate_ps(stragglers, num_replicas, 0, 40)
-        # S = 0 is BSP: every update has everyone, time per step = the slowest replica's compute time that step
-        np.testing.assert_allclose(times(bsp), bsp_times(stragglers, num_replicas, 40), rtol=0, atol=1e-9)
+        # S = 0 is BSP: every update has everyone, time per step = the slowest replica's compute time that step,
+        # taken from the compute-time table directly (not from another simulation)
+        expected = np.cumsum(compute_times(stragglers, num_replicas, 40).max(axis=1))
+        np.testing.assert_allclose(times(bsp), expected, rtol=0, atol=1e-9)
         assert all(u.participants.all() and not u.staleness.any() for u in bsp)
         asp = simulate_ps(stragglers, num_replicas, None, 40)
         # ASP applies at every arrival, so its k-th update is no later than BSP's (replica 0 alone never idles)
