@@ -95,7 +95,7 @@ def test_explicit_strategies_fold_the_replica_index_into_the_call_time_key(strat
     def own(key):  # the key the replica step uses: fold_in(step key, replica index)
         return rep.as_own(jax.random.key_data(jax.random.fold_in(key, rep.replica_index())))
 
-    keys = jax.jit(rep.per_replica(trainer._ctx, own, in_specs=(P(),), out_specs=rep.SHARDED))(jax.random.key(0))
+    keys = jax.jit(rep.per_replica(trainer.ctx, own, in_specs=(P(),), out_specs=rep.SHARDED))(jax.random.key(0))
     assert len({bytes(np.asarray(k)) for k in keys}) == 8
 
 

@@ -23,8 +23,7 @@ def train(strategy, mesh="2x4", model="mlp", steps=5, optimizer=None, dropout=0.
     history = []
     for step in range(steps):
         state, metrics = trainer.step(state, batch_for(model, size=16, seed=step))
-        # as fit reports them: a local SGD step's per-replica metrics ([R]) by their mean
-        history.append({k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()})
+        history.append({k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0})
     return trainer, state, history
 
 
@@ -84,7 +83,7 @@ def test_diloco_with_outer_sgd_lr_1_is_local_sgd_and_nesterov_differs():
 def test_local_sgd_schedule_divergence_and_one_compile_per_variant():
     strategy = jaxpar.LocalSGD(period=3, local_after=2)
     trainer, state, history = train(strategy, "4x2", steps=8)
-    variants = [strategy.plan(trainer._ctx, n).variant for n in range(8)]
+    variants = [strategy.plan(trainer.ctx, n).variant for n in range(8)]
     assert variants == ["sync", "sync", "local", "local", "meet", "local", "local", "meet"]
     assert [("replica_divergence" in h) for h in history] == [v == "meet" for v in variants]
     divergences = [h["replica_divergence"] for h in history if "replica_divergence" in h]
@@ -106,7 +105,7 @@ def test_replica_state_is_sharded_over_data_and_keeps_tensor_parallelism():
 
 def compiled_stats(trainer, state, variant, model="mlp"):
     batch = trainer.shard_batch(batch_for(model, size=16))
-    inputs = trainer.strategy.plan(trainer._ctx, 0).inputs
+    inputs = trainer.strategy.plan(trainer.ctx, 0).inputs
     return collective_stats(trainer._steps[variant].lower(state, batch, inputs).compile())
 
 
@@ -186,10 +185,10 @@ def test_explicit_strategies_draw_different_dropout_masks_per_replica():
     state = trainer.init(0)
 
     def own_mask(params, model_state):
-        model = nnx.merge(trainer._ctx.graphdef, params, rep.fold_rng_keys(model_state, rep.replica_index()))
+        model = nnx.merge(trainer.ctx.graphdef, params, rep.fold_rng_keys(model_state, rep.replica_index()))
         return (model(jnp.ones((1, 64))) != 0)
 
-    masks = jax.jit(rep.per_replica(trainer._ctx, own_mask, in_specs=(P(), P()), out_specs=P("data")))(
+    masks = jax.jit(rep.per_replica(trainer.ctx, own_mask, in_specs=(P(), P()), out_specs=P("data")))(
         state.params, state.model_state)
     masks = np.asarray(masks)
     assert masks.shape == (8, 64)
@@ -223,7 +222,7 @@ def test_hand_written_allreduce_with_tensor_parallelism_sends_only_the_local_mod
 
 def test_local_after_beyond_the_first_clock_window_plans_fine():
     trainer = trainer_for("mlp", "4x2", strategy=jaxpar.LocalSGD(period=4, local_after=2000))
-    plans = [trainer.strategy.plan(trainer._ctx, n) for n in (0, 1999, 2000, 2003)]
+    plans = [trainer.strategy.plan(trainer.ctx, n) for n in (0, 1999, 2000, 2003)]
     assert [p.variant for p in plans] == ["sync", "sync", "local", "meet"]
     assert trainer.clock.time_after(4, 1999) == 2000.0
 
@@ -232,7 +231,7 @@ def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refuse
     strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
     trainer = trainer_for("mlp", "4x2", strategy=strategy)
     assert strategy.buffer_size(4) == 2
-    strategy.plan(trainer._ctx, 100)  # plans past the horizon keep the compiled buffer size
+    strategy.plan(trainer.ctx, 100)  # plans past the horizon keep the compiled buffer size
     assert strategy.buffer_size(4) == 2
 
 
@@ -247,7 +246,7 @@ def test_a_non_participant_replica_with_nan_gradients_does_not_poison_the_update
     """SSP/ASP mask non-participants with a select: 0 x NaN would be NaN."""
     strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
     trainer = trainer_for("mlp", "4x2", strategy=strategy)
-    assert not strategy.plan(trainer._ctx, 0).inputs["participation"][3]  # replica 3 is still computing
+    assert not strategy.plan(trainer.ctx, 0).inputs["participation"][3]  # replica 3 is still computing
     batch = batch_for("mlp", size=16)
     batch["image"][12:] = np.nan  # replica 3's slice
     state, metrics = trainer.step(trainer.init(0), batch)
@@ -262,13 +261,13 @@ def test_a_non_participant_replica_with_nan_gradients_does_not_poison_the_update
 def test_schedules_and_clocks_are_pure_functions_of_replica_count_and_step():
     strategy = jaxpar.ASP(stragglers="1:2.0", horizon=8)
     four, two = trainer_for("mlp", "4x2", strategy=strategy), trainer_for("mlp", "2x4", strategy=strategy)
-    late = strategy.plan(four._ctx, 6)
-    assert strategy.plan(two._ctx, 6).inputs["participation"].shape == (2,)
+    late = strategy.plan(four.ctx, 6)
+    assert strategy.plan(two.ctx, 6).inputs["participation"].shape == (2,)
     assert late.inputs["participation"].shape == (4,)
-    np.testing.assert_array_equal(strategy.plan(four._ctx, 6).inputs["staleness"], late.inputs["staleness"])
+    np.testing.assert_array_equal(strategy.plan(four.ctx, 6).inputs["staleness"], late.inputs["staleness"])
     fresh = jaxpar.ASP(stragglers="1:2.0", horizon=8)
-    assert [fresh.plan(four._ctx, n).host_metrics for n in range(8)] == \
-        [strategy.plan(four._ctx, n).host_metrics for n in range(8)]
+    assert [fresh.plan(four.ctx, n).host_metrics for n in range(8)] == \
+        [strategy.plan(four.ctx, n).host_metrics for n in range(8)]
     assert [fresh.clock.time_after(4, n) for n in range(8)] == [strategy.clock.time_after(4, n) for n in range(8)]
     sync = jaxpar.Sync(stragglers="1:2.0")
     assert sync.clock.time_after(4, 3) == 8.0
@@ -327,8 +326,9 @@ def test_a_local_step_checks_each_replica_on_its_own(skip):
     batch = batch_for("mlp", size=16)
     batch["image"][12:] = np.nan  # replica 3's rows
     state, metrics = trainer.step(state, batch, 0)
-    flag = np.asarray(jax.device_get(metrics["skipped" if skip else "nonfinite"]))
-    np.testing.assert_array_equal(flag, [0.0, 0.0, 0.0, 1.0])
+    name = "skipped" if skip else "nonfinite"
+    np.testing.assert_array_equal(metrics[name + "_per_replica"], [0.0, 0.0, 0.0, 1.0])
+    assert metrics[name] == 0.25  # the scalar every strategy reports: the replica mean
     after = jax.device_get(state.strategy_state["params"])
     kernel_before, kernel_after = before["hidden"]["kernel"], after["hidden"]["kernel"]
     assert not np.array_equal(kernel_after[0], kernel_before[0])  # replica 0 took its step
@@ -350,7 +350,7 @@ def test_a_meeting_checks_each_replica_on_its_own_and_averages_the_finite_copies
     poisoned = {k: v.copy() for k, v in clean.items()}
     poisoned["image"][12:] = np.nan
     state, metrics = trainer.step(state, poisoned, 0)
-    np.testing.assert_array_equal(np.asarray(jax.device_get(metrics["skipped"])), [0.0, 0.0, 0.0, 1.0])
+    np.testing.assert_array_equal(metrics["skipped_per_replica"], [0.0, 0.0, 0.0, 1.0])
     anchor = trainer.params(state)["hidden"]["kernel"]
     assert np.isfinite(anchor).all() and not np.allclose(anchor, before)
     batch = trainer.shard_batch(clean)
@@ -366,7 +366,29 @@ def test_a_meeting_whose_result_is_not_finite_is_skipped_as_a_whole():
     state = trainer.init(0)
     before = trainer.params(state)
     state, metrics = trainer.step(state, batch_for("mlp", size=16), 0)
-    np.testing.assert_array_equal(np.asarray(jax.device_get(metrics["skipped"])), [1.0] * 4)
+    np.testing.assert_array_equal(metrics["skipped_per_replica"], [1.0] * 4)
+    assert metrics["skipped"] == 1.0
     assert_same_params(trainer.params(state), before, atol=0)
     replicas = jax.device_get(state.strategy_state["params"]["hidden"]["kernel"])
     np.testing.assert_array_equal(replicas[2], before["hidden"]["kernel"])
+
+
+@pytest.mark.parametrize("strategy", [jaxpar.Sync(), jaxpar.Sync("ring"), jaxpar.LocalSGD(period=2),
+                                      jaxpar.DiLoCo(period=2), jaxpar.SSP(1, horizon=4), jaxpar.ASP(horizon=4)],
+                         ids=lambda s: f"{s.name}-{s.allreduce}")
+def test_every_strategy_returns_the_same_metric_keys_as_scalars(strategy):
+    """The metrics contract: `step` gives `loss` and the loss function's metrics as scalars under every strategy
+    (a script's float(m["loss"]) works whichever strategy it runs); per-replica values only under their own keys."""
+    trainer = trainer_for("mlp", "4x2", strategy=strategy)
+    state = trainer.init(0)
+    for step in range(2):  # local SGD: a local step, then a meeting
+        state, metrics = trainer.step(state, batch_for("mlp", size=16, seed=step), step)
+        for key in ("loss", "accuracy", "skipped"):
+            assert np.ndim(metrics[key]) == 0 and np.isfinite(float(metrics[key])), (key, metrics[key])
+        per_replica = {k for k in metrics if k.endswith("_per_replica")}
+        if strategy.name in ("local_sgd", "diloco"):
+            assert {"loss_per_replica", "accuracy_per_replica"} <= per_replica
+            assert np.shape(metrics["loss_per_replica"]) == (4,)
+            assert float(metrics["loss"]) == pytest.approx(float(np.mean(metrics["loss_per_replica"])), rel=1e-6)
+        else:
+            assert not per_replica

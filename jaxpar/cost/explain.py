@@ -76,7 +76,7 @@ def sharding_plan(trainer) -> dict:
 
 def _variants(trainer) -> dict[str, dict]:
     """The step variants the strategy runs, with the inputs of one step of each and its share of the steps."""
-    strategy, ctx = trainer.strategy, trainer._ctx
+    strategy, ctx = trainer.strategy, trainer.ctx
     first = strategy.plan(ctx, 0)
     if hasattr(strategy, "variant_shares"):
         shares = strategy.variant_shares()

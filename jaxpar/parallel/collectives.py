@@ -19,13 +19,13 @@ that mentions the axis, or pass `check_vma=False` to `jax.shard_map`.
 
 Example (8 CPU devices)::
 
-    import jax, jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
+    import jax, jax.numpy as jnp, jaxpar
     from jaxpar.parallel.collectives import allreduce_mean
+    from jaxpar.parallel.partitioning import PER_REPLICA  # one entry per device of the data axis
 
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "x", "ring"),
-                              mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    mesh = jaxpar.make_mesh("8")  # data=8
+    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "data", "ring"), mesh=mesh, in_specs=PER_REPLICA,
+                              out_specs=PER_REPLICA))
     f(jnp.arange(8.0))  # every entry is 3.5
 
 Strategies do not call these functions directly: they hold a `Communicator` (optax-like: `init` for any state it

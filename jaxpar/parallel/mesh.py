@@ -30,7 +30,7 @@ import re
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import MeshError
 
@@ -297,35 +297,3 @@ def batch_ways(mesh: Mesh) -> int:
 def shape_line(mesh: Mesh) -> str:
     """'data=2 x fsdp=1 x model=4' for progress output."""
     return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
-
-
-def batch_spec(leading=()) -> P:
-    """Examples over the batch axes; `leading` unsplit dimensions in front (e.g. a microbatch axis)."""
-    return P(*leading, BATCH_AXES)
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, batch_spec())
-
-
-def replica_spec(*rest) -> P:
-    """Leading dimension = one entry per replica, over the replica axis; `rest` for the other dimensions."""
-    return P(REPLICA_AXIS, *rest)
-
-
-def replica_batch_spec() -> P:
-    """Inside a replica (manual over the replica axis only) the batch's rows are split over the replica axis."""
-    return P(REPLICA_AXIS)
-
-
-def keep_within_replica(spec: P) -> P:
-    """`spec` with every axis but the within-replica ones dropped: the spec of one replica's shard for a
-    shard_map manual over the within-replica axes (what a device holds of a parameter inside its replica)."""
-    def keep(entry):
-        if entry is None:
-            return None
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in names if a in WITHIN_REPLICA_AXES)
-        return kept[0] if len(kept) == 1 else (kept or None)
-
-    return P(*(keep(e) for e in spec))

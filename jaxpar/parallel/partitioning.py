@@ -219,28 +219,92 @@ def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, pa
                                  transform_non_params=lambda _: replicated(mesh), is_leaf=is_variable)
 
 
+# --- specs and shardings of everything else: one place builds them all ------------------------------------------
+REPLICATED = P()  # whole on every device (in a shard_map: the same on every shard)
+REPLICA_ROWS = P(mesh_lib.REPLICA_AXIS)  # inside a replica-manual shard_map: the batch's rows, a slice per replica
+PER_REPLICA = P(mesh_lib.REPLICA_AXIS)  # a stack with one entry per replica (leading dimension over the replicas)
+
+
+def _is_sharding(x) -> bool:
+    return isinstance(x, NamedSharding)
+
+
+def _drop_axes(spec, keep) -> P:
+    """`spec` with the mesh axes for which `keep(axis)` is false removed."""
+    def one(entry):
+        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        kept = tuple(a for a in names if keep(a))
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return P(*(one(e) for e in spec))
+
+
 def gathered_over(shardings, axis: str):
     """The shardings with `axis` dropped from every spec: the layout a parameter is used in under ZeRO-3 (whole over
     fsdp, still split over model), while it is stored as `shardings` say."""
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, _drop_axes(s.spec, lambda a: a != axis)), shardings,
+                        is_leaf=_is_sharding)
 
-    def one(sharding):
-        def keep(entry):
-            names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-            kept = tuple(a for a in names if a != axis)
-            return kept[0] if len(kept) == 1 else (kept or None)
 
-        return NamedSharding(sharding.mesh, P(*(keep(e) for e in sharding.spec)))
+def within_replica_specs(shardings):
+    """The specs of one replica's shard of each leaf, for a shard_map manual over the within-replica axes (what a
+    device holds of a parameter inside its replica): every axis but the within-replica ones dropped."""
+    inside = set(mesh_lib.WITHIN_REPLICA_AXES)
+    return jax.tree.map(lambda s: _drop_axes(s.spec, lambda a: a in inside), shardings, is_leaf=_is_sharding)
 
-    return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+def stacked(shardings, over_replicas: bool = True):
+    """The shardings of a stack of copies along a new leading dimension: over the replica axis (per-replica
+    copies), or unsplit (a buffer of versions); the other dimensions as before."""
+    lead = mesh_lib.REPLICA_AXIS if over_replicas else None
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(lead, *s.spec)), shardings, is_leaf=_is_sharding)
+
+
+def replicated_specs(tree):
+    """`REPLICATED` for every leaf of `tree` (e.g. a communicator's state in a shard_map)."""
+    return jax.tree.map(lambda _: REPLICATED, tree)
+
+
+def specs_of(shardings) -> list:
+    """The PartitionSpec of each NamedSharding leaf, in tree order."""
+    return [s.spec for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)]
+
+
+def split_axes(spec) -> set:
+    """The mesh axes a spec splits some dimension over."""
+    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+
+
+def device_grid_spec(mesh: Mesh) -> P:
+    """One entry per device along every mesh axis (a per-device result gathered as [*mesh.shape, ...])."""
+    return P(*mesh.axis_names)
+
+
+def replicate_within(tree):
+    """Inside a replica-manual shard_map: every leaf whole on each of the replica's devices."""
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, REPLICATED), tree)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
+    return NamedSharding(mesh, REPLICATED)
+
+
+def batch_spec(leading=()) -> P:
+    """Examples over the batch axes; `leading` unsplit dimensions in front (e.g. a microbatch axis)."""
+    return P(*leading, mesh_lib.BATCH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (example) dimension split over the batch axes, everything else replicated."""
-    return mesh_lib.batch_sharding(mesh)
+    return NamedSharding(mesh, batch_spec())
+
+
+def restore_sharding(mesh: Mesh, like: NamedSharding | None, stacked_copy: bool = False) -> NamedSharding:
+    """Where to read a saved array: like the strategy-free leaf it is (`like`), or a stack of such leaves with an
+    unsplit leading dimension (`stacked_copy`), or whole (`like` None)."""
+    if like is None:
+        return replicated(mesh)
+    return NamedSharding(mesh, P(None, *like.spec)) if stacked_copy else like
 
 
 def bytes_per_device(abstract_tree, shardings) -> int:

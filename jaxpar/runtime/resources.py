@@ -39,6 +39,15 @@ def device_memory(mesh) -> int:
     return total // max(len(jax.local_devices(backend=device.platform)), 1)
 
 
+def check_fits(needed: int, mesh, what: str, advice: str, limit: int | None = None, limit_name: str = "") -> None:
+    """The one memory-fit check: refuses `what` when its `needed` bytes per device exceed a device's memory (or
+    `limit`, named `limit_name`), naming both numbers and `advice`."""
+    available = device_memory(mesh) if limit is None else limit
+    if needed > available:
+        has = f"a device has {available:,}" if limit is None else f"{limit_name} is {available:,}"
+        raise ResourceError(f"{what} needs {needed:,} bytes per device but {has}; {advice}")
+
+
 def step_bytes(compiled) -> dict[str, int] | None:
     """Per-device bytes of a compiled step by XLA's memory analysis (None where the backend gives none)."""
     try:

@@ -21,16 +21,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel.partitioning import optimizer_shardings
+from jaxpar.parallel.partitioning import optimizer_shardings, stacked
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
 from jaxpar.cost.simulator import meeting_rounds
 
-SHARDED, BATCH = rep.SHARDED, rep.BATCH
+SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
 
 
 class LocalSGD(StrategyBase):
@@ -88,9 +87,8 @@ class LocalSGD(StrategyBase):
 
     def shardings(self, ctx, shardings):
         self.check_against_mesh(ctx)
-        replica = {"params": rep.stacked_shardings(shardings.params),
-                   "opt_state": rep.stacked_shardings(shardings.opt_state),
-                   "model_state": rep.stacked_shardings(shardings.model_state)}
+        replica = {"params": stacked(shardings.params), "opt_state": stacked(shardings.opt_state),
+                   "model_state": stacked(shardings.model_state)}
         return shardings._replace(opt_state=self._anchor_opt_shardings(ctx), strategy_state=replica)
 
     # --- schedule ----------------------------------------------------------------------------------------------
@@ -117,7 +115,7 @@ class LocalSGD(StrategyBase):
 
     # --- steps -------------------------------------------------------------------------------------------------
     def steps(self, ctx):
-        per_replica = self._metrics_out()[1] != P()
+        per_replica = self._metrics_out()[1] != SAME
         return {"local": Variant(self._local_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
                 "meet": Variant(self._meet_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
                 "sync": Variant(self._sync_step(ctx))}
@@ -141,8 +139,8 @@ class LocalSGD(StrategyBase):
         they stay per replica ([R]) and the host averages them. With several processes a process could not read
         the others' replicas, so the scalars are averaged on the device (one small all-reduce)."""
         if jax.process_count() == 1:
-            return (lambda metrics: {k: v[None] for k, v in metrics.items()}), P(rep.AXIS)
-        return rep.native_mean, P()
+            return (lambda metrics: {k: v[None] for k, v in metrics.items()}), SHARDED
+        return rep.native_mean, SAME
 
     def _local_step(self, ctx):
         report, metrics_spec = self._metrics_out()
@@ -151,7 +149,7 @@ class LocalSGD(StrategyBase):
             new, metrics = self._own_update(ctx, replica, batch, key)
             return rep.as_own(new), report(metrics)
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, P()), out_specs=(SHARDED, metrics_spec))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, BATCH, SAME), out_specs=(SHARDED, metrics_spec))
 
         def step(state, batch, inputs):
             # nothing crosses the replica axis: each replica's metrics ([R]) and its own non-finite check
@@ -167,8 +165,8 @@ class LocalSGD(StrategyBase):
             anchor = (replica["params"], rep.unfold_rng_keys(replica["model_state"], anchor_model_state))
             return rep.as_own(replica), anchor, metrics, comm_state
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), BATCH, P(), P()),
-                                  out_specs=(SHARDED, P(), P(), P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SAME, BATCH, SAME, SAME),
+                                  out_specs=(SHARDED, SAME, SAME, SAME))
 
         def step(state, batch, inputs):
             replica, (params, model_state), metrics, comm_state = sharded(
@@ -199,8 +197,8 @@ class LocalSGD(StrategyBase):
             (replica, anchor), metrics = rep.guard_meeting(ctx, (old, before), (replica, anchor), metrics)
             return rep.as_own(replica), anchor, report({**metrics, "replica_divergence": divergence}), comm_state
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, P(), P(), P(), BATCH, P(), P()),
-                                  out_specs=(SHARDED, P(), metrics_spec, P()))
+        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SAME, SAME, SAME, BATCH, SAME, SAME),
+                                  out_specs=(SHARDED, SAME, metrics_spec, SAME))
 
         def step(state, batch, inputs):
             replica, (params, opt_state, model_state), metrics, comm_state = sharded(

@@ -17,16 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
 from jaxpar.train.faults import finite_within, select_tree
-from jaxpar.parallel.partitioning import is_variable
 from jaxpar.train.step import loss_and_grad
 
 AXIS = mesh_lib.REPLICA_AXIS
-SHARDED = mesh_lib.replica_spec()  # one entry per replica
-BATCH = mesh_lib.replica_batch_spec()  # the batch's rows, one slice per replica
+SHARDED = shd.PER_REPLICA  # one entry per replica
+BATCH = shd.REPLICA_ROWS  # the batch's rows, one slice per replica
+SAME = shd.REPLICATED  # the same on every replica
 
 
 def per_replica(ctx, fn, in_specs, out_specs):
@@ -52,9 +52,8 @@ def mean_params_like(ctx, tree, comm_state=()):
         return tree, comm_state
     if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return comm.mean(tree, comm_state, AXIS)
-    specs = jax.tree.map(lambda s: mesh_lib.keep_within_replica(s.spec), ctx.param_shardings,
-                         is_leaf=lambda x: isinstance(x, NamedSharding))
-    state_specs = jax.tree.map(lambda _: P(), comm_state)
+    specs = shd.within_replica_specs(ctx.param_shardings)
+    state_specs = shd.replicated_specs(comm_state)
     # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
     return jax.shard_map(lambda t, s: comm.mean(t, s, AXIS), in_specs=(specs, state_specs),
                          out_specs=(specs, state_specs), axis_names=set(mesh_lib.WITHIN_REPLICA_AXES),
@@ -111,7 +110,7 @@ def native_mean(tree, weight=None):
 
 def _map_rng_keys(fn, model_state):
     return jax.tree.map(lambda v: v.replace(fn(v)) if isinstance(v, nnx.RngKey) else v, model_state,
-                        is_leaf=is_variable)
+                        is_leaf=shd.is_variable)
 
 
 def fold_rng_keys(model_state, index):
@@ -121,14 +120,14 @@ def fold_rng_keys(model_state, index):
 
 def unfold_rng_keys(new_model_state, original_model_state):
     """Keeps the updated RNG counters but the original (replica-independent) keys."""
-    originals = iter(v.get_value() for v in jax.tree.leaves(original_model_state, is_leaf=is_variable)
+    originals = iter(v.get_value() for v in jax.tree.leaves(original_model_state, is_leaf=shd.is_variable)
                      if isinstance(v, nnx.RngKey))
     return _map_rng_keys(lambda v: next(originals), new_model_state)
 
 
 def mean_batch_stats(model_state, weight=None):
     """Averages BatchNorm statistics (and nothing else: a user's EMA or cache stays per replica) over replicas."""
-    leaves, treedef = jax.tree.flatten(model_state, is_leaf=is_variable)
+    leaves, treedef = jax.tree.flatten(model_state, is_leaf=shd.is_variable)
     stats = [i for i, v in enumerate(leaves) if isinstance(v, nnx.BatchStat)
              and jnp.issubdtype(v.get_value().dtype, jnp.floating)]
     if stats:
@@ -212,7 +211,7 @@ def _within_replica_batch(ctx, batch):
     an explicit allreduce is not affected.
     """
     if mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1 and mesh_lib.size(ctx.mesh, mesh_lib.TENSOR_AXIS) > 1:
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), batch)
+        return shd.replicate_within(batch)
     return batch
 
 
@@ -229,14 +228,6 @@ def take_own(tree):
 def as_own(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
-
-def stacked_shardings(shardings):
-    """The sharding of a per-replica copy: leading dimension over the replica axis, the rest as before."""
-
-    def one(sharding):
-        return NamedSharding(sharding.mesh, mesh_lib.replica_spec(*sharding.spec))
-
-    return jax.tree.map(one, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def tree_sq_norm(tree):

@@ -16,14 +16,13 @@ wall-clock asynchrony.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.errors import JaxparError, OptionError
+from jaxpar.parallel.partitioning import bytes_per_device, stacked
 from jaxpar.runtime.resources import device_memory
 from jaxpar.train.step import apply_gradients, step_key
 from jaxpar.strategies import replicas as rep
@@ -123,13 +122,11 @@ class SSP(StrategyBase):
         self.check_against_mesh(ctx)
         buffer = self.buffer_size(ctx.num_replicas)
         self._check_memory(ctx, buffer)
-        versions = jax.tree.map(lambda s: NamedSharding(s.mesh, P(None, *s.spec)), shardings.params,
-                                is_leaf=lambda x: isinstance(x, NamedSharding))
+        versions = stacked(shardings.params, over_replicas=False)
         return shardings._replace(strategy_state={"versions": versions, "version": shardings.step})
 
     def _check_memory(self, ctx, buffer):
-        per_device = sum(math.prod(s.shard_shape(p.shape)) * p.dtype.itemsize for p, s in zip(
-            jax.tree.leaves(ctx.abstract_params), jax.tree.leaves(ctx.param_shardings)))
+        per_device = bytes_per_device(ctx.abstract_params, ctx.param_shardings)
         limit = self.max_buffer_bytes if self.max_buffer_bytes is not None else device_memory(ctx.mesh) // 2
         if buffer * per_device > limit:
             raise OptionError("strategy", self.name, f"the schedule's largest staleness is {buffer - 1}, so the "
@@ -145,8 +142,9 @@ class SSP(StrategyBase):
             return rep.replica_step(ctx, read, model_state, batch, key, weight=participation[0],
                                     comm_state=comm_state)
 
-        sharded = rep.per_replica(ctx, own, in_specs=(P(), P(), P(), rep.BATCH, P(), rep.SHARDED, rep.SHARDED, P()),
-                                  out_specs=(P(), P(), P(), P()))
+        same = rep.SAME
+        sharded = rep.per_replica(ctx, own, in_specs=(same, same, same, rep.BATCH, same, rep.SHARDED, rep.SHARDED,
+                                                      same), out_specs=(same, same, same, same))
 
         def step(state, batch, inputs):
             versions, version = state.strategy_state["versions"], state.strategy_state["version"]

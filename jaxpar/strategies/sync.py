@@ -16,7 +16,6 @@ clock, with `stragglers`, charges each step the slowest replica's time).
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.partitioning import gathered_over
@@ -92,8 +91,9 @@ class Sync(StrategyBase):
         def own(params, model_state, batch, key, comm_state):
             return rep.replica_step(ctx, params, model_state, batch, key, comm_state=comm_state)
 
-        sharded = rep.per_replica(ctx, own, in_specs=(P(), P(), rep.BATCH, P(), P()),
-                                  out_specs=(P(), P(), P(), P()))
+        same = rep.SAME
+        sharded = rep.per_replica(ctx, own, in_specs=(same, same, rep.BATCH, same, same),
+                                  out_specs=(same, same, same, same))
 
         def step(state: TrainState, batch, inputs):
             grads, model_state, metrics, comm_state = sharded(state.params, state.model_state, batch,

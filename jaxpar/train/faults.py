@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from jaxpar.errors import ReplicaMismatch
+from jaxpar.names import named_leaves
+from jaxpar.parallel import partitioning as shd
 
 
 def _is_key(x) -> bool:
@@ -51,20 +50,18 @@ def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
     only over the axes some leaf is split over: along the others every device holds the same blocks (sync SGD's
     state is replicated over data, so its check never crosses the data axis; `ReplicaCheck` tests that claim)."""
     leaves = jax.tree.leaves(tree)
-    specs = [s.spec for s in jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))]
-    chosen = [(x, spec) for x, spec in zip(leaves, specs, strict=True) if _is_float(x)]
+    chosen = [(x, spec) for x, spec in zip(leaves, shd.specs_of(shardings), strict=True) if _is_float(x)]
     if not chosen:
         return jnp.bool_(True)
 
-    split = {a for _, spec in chosen for entry in spec if entry is not None
-             for a in ((entry,) if isinstance(entry, str) else entry)}
+    split = set().union(*(shd.split_axes(spec) for _, spec in chosen))
     axes = tuple(a for a in mesh.axis_names if a in split or every_axis)
 
     def local(*blocks):
         total = sum(jnp.sum(b, dtype=jnp.float32) for b in blocks)
         return jnp.isfinite(lax.psum(total, axes) if axes else total)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=P(),
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=shd.REPLICATED,
                          check_vma=False)(*(x for x, _ in chosen))
 
 
@@ -120,17 +117,14 @@ class ReplicaCheck:
 
     def __init__(self, param_shardings, mesh):
         self.mesh = mesh
-        leaves, self.treedef = jax.tree_util.tree_flatten_with_path(param_shardings)
-        self.names = [".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-                      for path, _ in leaves]  # e.g. hidden.kernel
-        self.specs = [s.spec for _, s in leaves]
+        self.specs = shd.specs_of(param_shardings)
         axes = tuple(mesh.axis_names)
 
         def local(*blocks):
             prints = jnp.stack([_fingerprint(b) for b in blocks]) if blocks else jnp.zeros((0,), jnp.uint32)
             return prints.reshape((1,) * len(axes) + prints.shape)
 
-        self._fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(self.specs), out_specs=P(*axes),
+        self._fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(self.specs), out_specs=shd.device_grid_spec(mesh),
                                          check_vma=False))
 
     def fingerprints(self, params) -> np.ndarray:
@@ -143,8 +137,9 @@ class ReplicaCheck:
         prints = self.fingerprints(params)
         axes = list(self.mesh.axis_names)
         problems = []
-        for index, (name, spec) in enumerate(zip(self.names, self.specs)):
-            split = {a for part in spec if part is not None for a in ((part,) if isinstance(part, str) else part)}
+        names = [name for name, _ in named_leaves(params)]  # e.g. hidden.kernel.value, as checkpoints name it
+        for index, (name, spec) in enumerate(zip(names, self.specs, strict=True)):
+            split = shd.split_axes(spec)
             groups: dict[tuple, list[tuple]] = {}
             for position in np.ndindex(*self.mesh.devices.shape):
                 block = tuple(position[axes.index(a)] for a in sorted(split))

@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import ConfigError, ModelError
+from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
 
@@ -184,3 +185,18 @@ def _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum):
         one, (zeros, params, model_state), (jnp.arange(accum), micro))
     mean = functools.partial(jnp.mean, axis=0)
     return mean(losses), jax.tree.map(mean, metrics), model_state, jax.tree.map(lambda g: g / accum, grads_sum)
+
+
+def guarded_step(variant, shardings, mesh, skip_nonfinite: bool):
+    """The pure function a trainer jits for one strategy step variant: `variant.step`, then the non-finite check
+    over the state's `shardings` (keep the old state under skip, else flag), unless the variant checks each
+    replica itself (`variant.guards_itself`)."""
+    def step(state: TrainState, batch, inputs):
+        new, metrics = variant.step(state, batch, inputs)
+        if variant.guards_itself:
+            return new, metrics
+        if skip_nonfinite:
+            return keep_if_finite(state, new, metrics, shardings, mesh)
+        return flag_if_not_finite(new, metrics, shardings, mesh)
+
+    return step

@@ -15,9 +15,7 @@ logical axis names are mapped to `NamedSharding`s, and the real values are creat
 
 from __future__ import annotations
 
-import functools
 import logging
-import numbers
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -27,16 +25,19 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from jaxpar.checks import check_int
+from jaxpar.cost.hardware import compiled_cost, parse_hardware
+from jaxpar.errors import ConfigError, ModelError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.train.actions import Action, OnStep, StepEvent
 from jaxpar.runtime.distributed import to_host
-from jaxpar.errors import ConfigError, DataError, FitError, JaxparError, ModelError, ResourceError, StateError
-from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
-from jaxpar.cost.hardware import compiled_cost, parse_hardware
-from jaxpar.runtime.resources import DeviceError, check_step_memory, device_error, device_memory, step_flops, wait_ready
-from jaxpar.train.step import LossFn, TrainState, check_optimizer, evaluate_batch, split_model, step_key, with_rngs
+from jaxpar.runtime.resources import check_fits, check_step_memory, device_error, step_flops
 from jaxpar.strategies import StepContext, Strategy, Sync
+from jaxpar.train import loop
+from jaxpar.train.actions import Action
+from jaxpar.train.batches import BatchPlacer
+from jaxpar.train.step import (LossFn, TrainState, check_optimizer, evaluate_batch, guarded_step, split_model,
+                               step_key, with_rngs)
 
 log = logging.getLogger("jaxpar")
 
@@ -82,10 +83,9 @@ class Trainer:
                 raise ModelError(f"{argument} {fn!r}: not a function; {argument} is (model, batch[, rngs]) -> "
                                  f"(scalar loss, dict of metrics)")
         check_optimizer("optimizer", optimizer)
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
-            raise ConfigError(f"grad_accum {grad_accum!r}: must be an integer >= 1 (microbatches per update)")
+        check_int("grad_accum", grad_accum, 1, "microbatches per update")
         if strategy is not None and not all(callable(getattr(strategy, m, None))
-                                            for m in ("init", "shardings", "steps", "plan")):
+                                            for m in ("init", "reduce", "shardings", "steps", "plan")):
             raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
                               f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
         if not isinstance(skip_nonfinite, bool):
@@ -113,19 +113,17 @@ class Trainer:
         param_sh = shd.state_shardings(abs_params, self.rules, mesh, strict, self.plan_notes)
         model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh, strict)
         opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
-        self._ctx = StepContext(graphdef, abs_params, self._loss_fn, optimizer, mesh, param_sh, model_state_sh,
-                                opt_sh, grad_accum, getattr(self.strategy, "communicator", None), skip_nonfinite)
-        comm = self._ctx.communicator
+        self.ctx = StepContext(graphdef, abs_params, self._loss_fn, optimizer, mesh, param_sh, model_state_sh,
+                               opt_sh, grad_accum, self.strategy.communicator, skip_nonfinite)
+        comm = self.ctx.communicator
         comm_sh = () if comm is None else jax.tree.map(
             lambda _: shd.replicated(mesh), jax.eval_shape(comm.init, abs_params))
         base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
         self.neutral_shardings = base
-        self.state_shardings = self.strategy.shardings(self._ctx, base)
-        self.batch_sharding = shd.batch_sharding(mesh)
-        # this process's share of a global batch: its distinct row blocks of the `ways` the batch is split into
-        # (all of them in one process; with several, the blocks its devices hold)
-        self._local_blocks = len(self._block_starts(mesh_lib.batch_ways(mesh)))
-        self.trace_counts: dict[str, int] = {}  # traces (= compilations) per step variant; 1 each in a healthy run
+        self.state_shardings = self.strategy.shardings(self.ctx, base)
+        self.batches = BatchPlacer(mesh)
+        self.batch_sharding = self.batches.sharding
+        self.trace_counts: dict[str, int] = {}  # compilations per step variant (one per batch shape it ran on)
         self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
         self.step_costs: dict = {}  # variant -> its StepCost on `hardware` (the latest batch shape it compiled for)
@@ -135,21 +133,19 @@ class Trainer:
             log.warning(line)
 
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        steps = self.strategy.steps(self._ctx)
-        # variants whose metrics are one value per replica ([R], left where they are: gathering them would be a
-        # collective over the replica axis); `fit` reports their mean
-        self._per_replica = {name for name, variant in steps.items() if variant.per_replica_metrics}
-        self._steps = {name: jax.jit(functools.partial(self._traced_step, name, variant),
+        self.variants = self.strategy.steps(self.ctx)
+        # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
+        # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
+        self._steps = {name: jax.jit(guarded_step(variant, self.state_shardings, mesh, skip_nonfinite),
                                      in_shardings=(self.state_shardings, self.batch_sharding, None),
                                      out_shardings=(self.state_shardings,
-                                                    None if name in self._per_replica else shd.replicated(mesh)),
+                                                    None if variant.per_replica_metrics else shd.replicated(mesh)),
                                      donate_argnums=0)
-                       for name, variant in steps.items()}
-        self._last_per_replica = False  # whether the latest step's metrics are per replica
+                       for name, variant in self.variants.items()}
         self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
-        clock = getattr(self.strategy, "clock", None)  # the strategy's simulated clock, priced here (sim_time)
-        self.clock = clock.priced(self.variant_cost if self.hardware else None) if hasattr(clock, "priced") else None
+        # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given
+        self.clock = self.strategy.clock.priced(self.variant_cost if self.hardware else None)
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
     def _init_state(self, seed) -> TrainState:
@@ -160,14 +156,14 @@ class Trainer:
         with nnx.use_eager_sharding(False):
             model = self._factory(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = split_model(model)
-        comm = self._ctx.communicator
+        comm = self.ctx.communicator
         # the run key: a separate stream from initialisation's (same seed, another fold)
         return TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), (),
                           jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
                           () if comm is None else comm.init(params))
 
     def _expand(self, neutral: TrainState) -> TrainState:
-        return self.strategy.init(self._ctx, neutral)
+        return self.strategy.init(self.ctx, neutral)
 
     def expand(self, neutral: TrainState) -> TrainState:
         """The train state of this trainer's strategy built from a strategy-free one (`strategy.init`, jitted and
@@ -187,22 +183,6 @@ class Trainer:
         placed = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
         return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                             for x, s in zip(leaves, placed, strict=True)])
-
-    def _traced_step(self, name, variant, state, batch, inputs):
-        out = variant.step(state, batch, inputs)  # counted once traced: a loss_fn refused while tracing compiles nothing
-        # (a step that `guards_itself` checked, and under skip kept, each replica's state on its own)
-        if self.skip_nonfinite and not variant.guards_itself:
-            out = keep_if_finite(state, *out, self.state_shardings, self.mesh)
-        elif not variant.guards_itself:
-            out = flag_if_not_finite(*out, self.state_shardings, self.mesh)
-        count = self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-        if count > 1:  # jit traces once per new batch shape / dtype: say so; the first compilation is expected
-            shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
-            log.warning(f"step variant {name!r} compiles again (compilation {count}) for a new batch shape "
-                        f"{{{shapes}}}: each new batch shape compiles the step anew (expected once per size of a "
-                        f"deliberate batch-size ramp; otherwise keep batch shapes fixed, e.g. drop or pad the last "
-                        f"batch)")
-        return out
 
     def _eval_step(self, state, batch):
         return evaluate_batch(self._eval_graphdef, self._eval_loss_fn, state.params, state.model_state, batch,
@@ -229,8 +209,7 @@ class Trainer:
 
     def init(self, seed: int = 0) -> TrainState:
         """A fresh train state; the same seed (an integer in [0, 2**32)) gives the same parameters on every mesh."""
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
-            raise ConfigError(f"seed {seed!r}: must be an integer in [0, 2**32)")
+        check_int("seed", seed, 0, high=2**32)
         self._check_memory()
         state = self._init(jnp.asarray(seed, jnp.uint32))
         try:
@@ -252,78 +231,24 @@ class Trainer:
 
     def _check_memory(self) -> None:
         """Refuses a train state that cannot fit in one device's memory, before anything is allocated."""
-        needed, available = self.state_bytes_per_device(), device_memory(self.mesh)
-        if needed > available:
-            raise ResourceError(f"the train state needs {needed:,} bytes per device but a device has {available:,}; "
-                                f"use a smaller model, or split parameters and optimizer state over more devices "
-                                f"(a larger fsdp or model axis)")
+        check_fits(self.state_bytes_per_device(), self.mesh, "the train state", "use a smaller model, or split "
+                   "parameters and optimizer state over more devices (a larger fsdp or model axis)")
 
     def local_rows(self, global_size: int) -> np.ndarray:
-        """The rows of a global batch of `global_size` rows that this process loads (all rows in one process),
-        in increasing order: from the batch sharding's addressable indices, so any device order is right."""
-        ways = self.batch_divisor
-        if global_size % ways:
-            raise DataError(f"global batch size {global_size} does not divide by the batch axes "
-                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways}")
-        per_block = global_size // ways
-        return np.concatenate([np.arange(start, start + per_block) for start in self._block_starts(global_size)])
-
-    def _block_starts(self, global_size: int) -> list[int]:
-        """First rows of the blocks of a global batch this process's devices hold (the addressable indices)."""
-        blocks = self.batch_sharding.addressable_devices_indices_map((global_size,)).values()
-        return sorted({index[0].start or 0 for index in blocks})
+        """The rows of a global batch of `global_size` rows that this process loads (see `BatchPlacer`)."""
+        return self.batches.local_rows(global_size)
 
     def global_rows(self, local_size: int) -> int:
         """The global batch size of which `local_size` rows are this process's share."""
-        return local_size * self.batch_divisor // self._local_blocks
+        return self.batches.global_rows(local_size)
 
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         """Places a global batch on the mesh, examples split over the batch axes (a no-op for placed arrays)."""
-        batch, _ = self._checked_batch(batch)
-        return self._placed(batch)
-
-    def _checked_batch(self, batch) -> tuple[dict, int]:
-        """(the batch as a dict of arrays, its number of rows); nested lists of numbers become numpy arrays."""
-        if not isinstance(batch, Mapping) or not batch:
-            raise DataError(f"batch: got {type(batch).__name__}{' (empty)' if isinstance(batch, Mapping) else ''}; "
-                            f"a batch is a dict of arrays with a common leading example dimension")
-        arrays = {}
-        for key, value in batch.items():
-            if not isinstance(value, (jax.Array, np.ndarray)):
-                try:
-                    value = np.asarray(value)
-                except (TypeError, ValueError):
-                    value = None
-            if value is None or np.dtype(value.dtype).kind not in "biufc":
-                raise DataError(f"batch[{key!r}]: {type(batch[key]).__name__} is not a numeric array (ragged "
-                                f"lists or non-numbers); pass numpy arrays with a leading example dimension")
-            arrays[key] = value
-        sizes = {k: v.shape[0] if v.ndim else None for k, v in arrays.items()}
-        if None in sizes.values() or len(set(sizes.values())) != 1:
-            raise DataError(f"batch arrays must share a leading example dimension; got leading sizes {sizes}")
-        size = next(iter(sizes.values()))
-        ways = self.batch_divisor
-        if any(not isinstance(v, jax.Array) for v in arrays.values()) and self._local_blocks != ways:
-            # several processes: host arrays are this process's rows (`local_rows`) of the global batch
-            if size % self._local_blocks:
-                raise DataError(f"process {jax.process_index()} was given {size} rows, which do not divide over "
-                                f"its {self._local_blocks} blocks of the global batch; give each process "
-                                f"trainer.local_rows(global batch size) of every global batch")
-            size = self.global_rows(size)
-        if size == 0:
-            raise DataError(f"batch has 0 rows; a global batch needs a positive multiple of {ways} rows "
-                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices)")
-        if size % ways:
-            raise DataError(f"global batch size {size} does not divide by the batch axes "
-                            f"({' x '.join(mesh_lib.BATCH_AXES)} = {ways} devices); use a multiple of {ways}")
-        return arrays, size
-
-    def _placed(self, batch: dict) -> dict[str, jax.Array]:
-        return {k: v if isinstance(v, jax.Array) and v.sharding == self.batch_sharding else self._place(v)
-                for k, v in batch.items()}
+        return self.batches.place(self.batches.check(batch)[0])
 
     @staticmethod
-    def _check_state(state) -> None:
+    def check_state(state) -> None:
+        """Refuses anything but a live `TrainState` (a donated one names the fix)."""
         if not isinstance(state, TrainState):
             raise StateError(f"state: got {type(state).__name__}; pass the TrainState from trainer.init or "
                              f"trainer.step")
@@ -333,17 +258,14 @@ class Trainer:
             raise StateError("state: its arrays were donated to an earlier call; `step` donates its state: use "
                              "the state it returned (state, metrics = trainer.step(state, batch))")
 
-    def _place(self, rows):
-        if self._local_blocks == self.batch_divisor:  # this process holds every row block
-            return jax.device_put(rows, self.batch_sharding)
-        # several processes: each holds only its rows of the global batch (`local_rows`)
-        rows = np.asarray(rows)
-        return jax.make_array_from_process_local_data(
-            self.batch_sharding, rows, (self.global_rows(len(rows)),) + rows.shape[1:])
+    def step(self, state: TrainState, batch, step_number: int | None = None) -> tuple[TrainState, dict]:
+        """One update; `state` is donated (do not reuse it).
 
-    def step(self, state: TrainState, batch, step_number: int | None = None
-             ) -> tuple[TrainState, dict[str, jax.Array]]:
-        """One update; `state` is donated (do not reuse it). Metrics stay on device until read.
+        Metrics have the same keys and shapes under every strategy: `loss` and the loss function's metrics as
+        scalars. A step whose replicas sent each other nothing (local SGD / DiLoCo's local and meeting steps, in
+        one process) keeps one value per replica on the devices; `step` then returns their mean, read to the host,
+        and each per-replica array under `<name>_per_replica` ([R]). Other steps' metrics stay on device until
+        read.
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
         `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`),
@@ -351,33 +273,50 @@ class Trainer:
         compiled the step, and `flops`, the compiled step's FLOPs on all devices by XLA's cost analysis (where the
         backend gives one).
         """
-        self._check_state(state)
-        batch, rows = self._checked_batch(batch)
+        state, metrics, per_replica = self.dispatch(state, batch, step_number)
+        return state, (loop.host_metrics(metrics, True) if per_replica else metrics)
+
+    def dispatch(self, state: TrainState, batch, step_number: int | None = None) -> tuple[TrainState, dict, bool]:
+        """`step` without reading anything back: (state, metrics as the step left them, whether they are per
+        replica). `fit` uses it to keep the device busy while it reads the previous step's metrics."""
+        self.check_state(state)
+        batch, rows = self.batches.check(batch)
         per_replica = rows // self.num_replicas
         if per_replica % self.grad_accum:
             raise ConfigError(f"grad_accum {self.grad_accum} does not divide the per-replica batch {per_replica} "
                               f"(global {rows} / {self.num_replicas} replicas); use a divisor of {per_replica}")
         if step_number is None:
             step_number = int(jax.device_get(state.step))
-        plan = self.strategy.plan(self._ctx, step_number)
-        traces = self.trace_count
-        placed = self._placed(batch)
+        plan = self.strategy.plan(self.ctx, step_number)
+        placed = self.batches.place(batch)
         signature = self._signature(plan, placed)
+        compiles = signature not in self._memory_checked
         self._check_step_memory(signature, plan, state, placed, rows, step_number)
         try:
             state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
-        self._last_per_replica = plan.variant in self._per_replica
+        if compiles:
+            self._count_compilation(plan.variant, placed)
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
         flops = self.step_flops.get(signature)
         if flops is not None:
             host["flops"] = flops
-        if self.trace_count > traces:  # this call compiled (the first step, a new batch shape, a new variant)
+        if compiles:  # this call compiled (the first step, a new batch shape, a new variant)
             host["compiled"] = 1.0
-        return state, {**metrics, **host}
+        return state, {**metrics, **host}, self.variants[plan.variant].per_replica_metrics
+
+    def _count_compilation(self, variant: str, placed: dict) -> None:
+        """Counted on the host, outside the traced step: each (variant, batch shape) compiles once."""
+        count = self.trace_counts[variant] = self.trace_counts.get(variant, 0) + 1
+        if count > 1:  # the first compilation is expected; later ones mean a new batch shape
+            shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in placed.items())
+            log.warning(f"step variant {variant!r} compiles again (compilation {count}) for a new batch shape "
+                        f"{{{shapes}}}: each new batch shape compiles the step anew (expected once per size of a "
+                        f"deliberate batch-size ramp; otherwise keep batch shapes fixed, e.g. drop or pad the last "
+                        f"batch)")
 
     @staticmethod
     def _signature(plan, placed) -> tuple:
@@ -417,9 +356,7 @@ class Trainer:
         if variant not in self._steps:
             raise ConfigError(f"step variant {variant!r}: the strategy {self.strategy.name!r} has "
                               f"{', '.join(sorted(self._steps))}")
-        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding)
-                    for k, v in ((k, v if hasattr(v, "dtype") else np.asarray(v)) for k, v in batch.items())}
-        return self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
+        return self._steps[variant].lower(self.abstract_state(), self.batches.abstract(batch), inputs or {}).compile()
 
     def variant_cost(self, variant: str):
         """The `jaxpar.cost.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
@@ -430,12 +367,12 @@ class Trainer:
 
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
-        self._check_state(state)
+        self.check_state(state)
         return self._eval(state, self.shard_batch(batch))
 
     def params(self, state: TrainState) -> dict:
         """The full parameters, gathered from all shards, as a nested dict of numpy arrays."""
-        self._check_state(state)
+        self.check_state(state)
         # with several processes every process takes part: the shards other processes hold are gathered
         return jax.tree.map(np.asarray, nnx.to_pure_dict(to_host(state.params)))
 
@@ -452,61 +389,4 @@ class Trainer:
         out, a step is refused or an action raises, `fit` raises `FitError` carrying `.state` (the state after
         `.step` updates, never donated) and the cause. `steps` = 0 returns `state` unchanged.
         """
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ConfigError(f"steps {steps!r}: must be an integer >= 0 (the number of updates to run)")
-        self._check_state(state)
-        actions = list(actions) + ([OnStep(on_step)] if on_step is not None else [])
-        iterator = iter(batches)
-        step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step
-        last = step_number + steps
-        pending = None
-        for _ in range(steps):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                self._flush(pending, actions, state, step_number, last)
-                raise FitError(f"the batch iterator ran out after {step_number} steps of {last}; give fit an "
-                               f"endless iterator or fewer steps", state, step_number) from None
-            try:
-                new_state, metrics = self.step(state, batch, step_number)
-            except DeviceError:
-                raise  # the state is gone with the failed step: nothing to carry in a FitError
-            except JaxparError as error:
-                self._flush(pending, actions, state, step_number, last)
-                raise FitError(str(error), state, step_number) from error
-            state, step_number = new_state, step_number + 1
-            if pending is not None:
-                self._run_actions(pending, actions, None, last, state, step_number)
-            pending = (step_number, metrics, self._last_per_replica)
-            if any(a.needs_state and a.due(step_number, step_number == last) for a in actions):
-                self._run_actions(pending, actions, state, last, state, step_number)
-                pending = None
-        self._flush(pending, actions, state, step_number, last)
-        return state
-
-    def _flush(self, pending, actions, state, step_number, last):
-        if pending is not None:
-            self._run_actions(pending, actions, state, last, state, step_number)
-
-    def _run_actions(self, pending, actions, event_state, last, current_state, current_step):
-        step, metrics, per_replica = pending
-        wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
-        host = jax.device_get(metrics)
-        if per_replica:  # one value per replica (a local SGD step): reported as their mean
-            host = {k: np.mean(v, axis=0) if np.ndim(v) else v for k, v in host.items()}  # (host metrics: floats)
-        host = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in host.items()}
-        is_last = step == last
-        for action in actions:
-            if not action.due(step, is_last):
-                continue
-            if action.needs_state and event_state is None:
-                continue  # only reached when the state of `step` is already donated: not due with a state
-            try:
-                action(StepEvent(step, host, event_state if action.needs_state else None, self, is_last))
-            except (KeyboardInterrupt, FitError):
-                raise
-            except JaxparError as error:
-                raise FitError(str(error), current_state, current_step) from error
-            except Exception as error:
-                raise FitError(f"action {getattr(action, 'label', type(action).__name__)} failed at step {step}: "
-                               f"{type(error).__name__}: {error}", current_state, current_step) from error
+        return loop.fit(self, state, batches, steps, actions, on_step)

@@ -1,0 +1,94 @@
+"""The fit loop: at most two steps in flight, actions run as their steps' metrics become ready.
+
+Before dispatching step N+1 the loop waits for step N-1's metrics. Unbounded dispatch of collective-bearing steps
+deadlocks XLA:CPU with many devices on few cores, and reading metrics one step late still overlaps host work with
+the device. An action that needs the state runs before the next step is dispatched (that step donates the state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+
+from jaxpar.checks import check_int
+from jaxpar.errors import FitError, JaxparError
+from jaxpar.runtime.resources import DeviceError, wait_ready
+from jaxpar.train.actions import Action, OnStep, StepEvent
+
+PER_REPLICA_SUFFIX = "_per_replica"
+
+
+def host_metrics(metrics: Mapping, per_replica: bool) -> dict:
+    """A step's metrics on the host, the same keys and shapes for every strategy: scalars as floats, array metrics
+    as numpy arrays. Metrics of a step that kept one value per replica (`per_replica`: `[R]` arrays, left on their
+    devices so that nothing crossed the replica axis) are reported as their replica mean, and each also whole
+    under `<name>_per_replica`."""
+    host = jax.device_get(dict(metrics))
+    out = {}
+    for key, value in host.items():
+        if per_replica and np.ndim(value):
+            out[key + PER_REPLICA_SUFFIX] = np.asarray(value)
+            value = np.mean(value, axis=0)
+        out[key] = float(value) if np.ndim(value) == 0 else np.asarray(value)
+    return out
+
+
+def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),
+        on_step: Callable[[int, dict[str, float]], None] | None = None):
+    """`Trainer.fit`: see its docstring."""
+    check_int("steps", steps, 0, "the number of updates to run")
+    trainer.check_state(state)
+    actions = list(actions) + ([OnStep(on_step)] if on_step is not None else [])
+    iterator = iter(batches)
+    step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step
+    last = step_number + steps
+    pending = None
+
+    def run(pending, event_state, current_state, current_step):
+        step, metrics, per_replica = pending
+        wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
+        host = host_metrics(metrics, per_replica)
+        is_last = step == last
+        for action in actions:
+            if not action.due(step, is_last):
+                continue
+            if action.needs_state and event_state is None:
+                continue  # only reached when the state of `step` is already donated: not due with a state
+            try:
+                action(StepEvent(step, host, event_state if action.needs_state else None, trainer, is_last))
+            except (KeyboardInterrupt, FitError):
+                raise
+            except JaxparError as error:
+                raise FitError(str(error), current_state, current_step) from error
+            except Exception as error:
+                raise FitError(f"action {getattr(action, 'label', type(action).__name__)} failed at step {step}: "
+                               f"{type(error).__name__}: {error}", current_state, current_step) from error
+
+    for _ in range(steps):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            if pending is not None:
+                run(pending, state, state, step_number)
+            raise FitError(f"the batch iterator ran out after {step_number} steps of {last}; give fit an "
+                           f"endless iterator or fewer steps", state, step_number) from None
+        try:
+            new_state, metrics, per_replica = trainer.dispatch(state, batch, step_number)
+        except DeviceError:
+            raise  # the state is gone with the failed step: nothing to carry in a FitError
+        except JaxparError as error:
+            if pending is not None:
+                run(pending, state, state, step_number)
+            raise FitError(str(error), state, step_number) from error
+        state, step_number = new_state, step_number + 1
+        if pending is not None:
+            run(pending, None, state, step_number)
+        pending = (step_number, metrics, per_replica)
+        if any(a.needs_state and a.due(step_number, step_number == last) for a in actions):
+            run(pending, state, state, step_number)
+            pending = None
+    if pending is not None:
+        run(pending, state, state, step_number)
+    return state
