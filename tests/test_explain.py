@@ -36,10 +36,10 @@ def test_explain_the_mlp_on_2x4_matches_hand_computed_numbers():
     assert report["parameters"] == PARAMS and report["model_flops_per_token"] is None  # images, not tokens
     plan = by_name(report)
     # Megatron over model=4: hidden column-parallel, out row-parallel; the out bias stays whole
-    assert plan["hidden/kernel"]["spec"] == "(None, model)" and plan["hidden/kernel"]["bytes_per_device"] == IN * 8 * 4
-    assert plan["hidden/bias"]["bytes_per_device"] == 8 * 4
-    assert plan["out/kernel"]["spec"] == "(model, None)" and plan["out/kernel"]["bytes_per_device"] == 8 * OUT * 4
-    assert plan["out/bias"]["spec"] == "(None)" and plan["out/bias"]["bytes_per_device"] == OUT * 4
+    assert plan["hidden.kernel.value"]["spec"] == "(None, model)" and plan["hidden.kernel.value"]["bytes_per_device"] == IN * 8 * 4
+    assert plan["hidden.bias.value"]["bytes_per_device"] == 8 * 4
+    assert plan["out.kernel.value"]["spec"] == "(model, None)" and plan["out.kernel.value"]["bytes_per_device"] == 8 * OUT * 4
+    assert plan["out.bias.value"]["spec"] == "(None)" and plan["out.bias.value"]["bytes_per_device"] == OUT * 4
     per_device = (IN * 8 + 8 + 8 * OUT) * 4 + OUT * 4  # 2,440
     totals = report["plan"]["per_device"]
     assert totals["parameters"] == {"total": per_device, "replicated": OUT * 4, "sharded": per_device - OUT * 4}
@@ -64,8 +64,8 @@ def test_explain_the_mlp_on_2x4_matches_hand_computed_numbers():
 def test_explain_on_data_fsdp_model_matches_the_zero3_theory():
     report = jaxpar.explain(mlp_trainer("data=2,fsdp=2,model=2"), batch_for("mlp", BATCH))
     plan = by_name(report)
-    assert plan["hidden/kernel"]["spec"] == "(fsdp, model)"
-    assert plan["hidden/kernel"]["bytes_per_device"] == IN * HIDDEN * 4 // 4
+    assert plan["hidden.kernel.value"]["spec"] == "(fsdp, model)"
+    assert plan["hidden.kernel.value"]["bytes_per_device"] == IN * HIDDEN * 4 // 4
     sizes = {"data": 2, "fsdp": 2, "model": 2, "None": 1}
     for p in plan.values():  # each parameter's bytes / the sizes of the axes its spec names
         ways = np.prod([sizes[a] for a in p["spec"].strip("()").replace("+", ", ").split(", ")])
@@ -125,7 +125,7 @@ def test_cli_explain_prints_the_plan_and_trains_nothing(tmp_path, capsys):
                      "--metrics", str(metrics)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "sharding plan (per device):" in out and "hidden/kernel" in out and "step variant 'sync'" in out
+    assert "sharding plan (per device):" in out and "hidden.kernel.value" in out and "step variant 'sync'" in out
     assert "PROJECTED on a100-ib100" in out and "0 collective(s) not explained by theory" in out
     assert "done:" not in out and "step 1/" not in out
     assert not metrics.exists()  # nothing trained, nothing half-written

@@ -21,18 +21,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.collectives import theoretical_traffic
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops
+from jaxpar.names import named_leaves
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.collectives import theoretical_traffic
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
+from jaxpar.strategies import REGISTRY
 
 DATA, FSDP, MODEL = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL
-
-
-def _path(path) -> str:
-    names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-    return "/".join(names[:-1] if len(names) > 1 and names[-1] == "value" else names)
 
 
 def _spec(sharding) -> str:
@@ -61,10 +58,10 @@ def sharding_plan(trainer) -> dict:
     """Every parameter's placement and the per-device state totals."""
     state = trainer.abstract_state()
     params = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+    for name, leaf in named_leaves(state.params):  # named as checkpoints and errors name them
         shard = leaf.sharding.shard_shape(leaf.shape)
         itemsize = _itemsize(leaf.dtype)
-        params.append({"name": _path(path), "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+        params.append({"name": name, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
                        "spec": _spec(leaf.sharding), "bytes": math.prod(leaf.shape) * itemsize,
                        "bytes_per_device": math.prod(shard) * itemsize})
     totals = {part: _placed_bytes(getattr(state, field)) for part, field in
@@ -78,12 +75,8 @@ def _variants(trainer) -> dict[str, dict]:
     """The step variants the strategy runs, with the inputs of one step of each and its share of the steps."""
     strategy, ctx = trainer.strategy, trainer.ctx
     first = strategy.plan(ctx, 0)
-    if hasattr(strategy, "variant_shares"):
-        shares = strategy.variant_shares()
-        inputs = {variant: first.inputs if first.variant == variant else {} for variant in shares}
-    else:  # a strategy of your own: every variant, equal shares, the first step's inputs (their usual shape)
-        shares = {variant: 1 / len(trainer._steps) for variant in trainer._steps}
-        inputs = {variant: first.inputs for variant in shares}
+    shares = strategy.variant_shares()
+    inputs = {variant: first.inputs if first.variant == variant else {} for variant in shares}
     return {v: {"inputs": inputs[v], "share": shares[v]} for v in shares}
 
 
@@ -103,30 +96,30 @@ def _fsdp_group_bytes(trainer) -> int:
     return total
 
 
+_ALGORITHM_LABELS = {"psum": "bandwidth-optimal all-reduce, 2(N-1)/N x B", "ring": "ring, 2(N-1)/N x B",
+                     "torus2d": "2D torus, 2(N-1)/N x B",
+                     "ps": "parameter server: the root receives and sends (N-1) x B"}
+
+
 def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
-    """What the strategy and mesh should send per device in one step of `variant`, line by line."""
+    """What the strategy and mesh should send per device in one step of `variant`, line by line: the strategy's
+    exchanges over the replica axis (`strategy.theory`), ZeRO-3 over fsdp, tensor parallelism over model."""
     mesh, strategy = trainer.mesh, trainer.strategy
     n = mesh_lib.replica_count(mesh)
-    communicator = getattr(strategy, "communicator", None)
+    communicator = strategy.communicator
     algorithm = communicator.name if communicator is not None else "psum"
     torus_x = getattr(communicator, "torus_x", None)
     lines = []
-    exchanges = variant in ("sync", "meet", "update")  # a local step exchanges nothing over data
-    if n > 1 and exchanges:
-        grad = _gradient_bytes(trainer)
+    for expected in (strategy.theory(trainer.ctx, variant, _gradient_bytes(trainer)) if n > 1 else []):
+        grad = expected.bytes
         t = theoretical_traffic(algorithm, n, grad, torus_x)
-        what = "parameters" if variant == "meet" else "gradients"
-        label = {"psum": "bandwidth-optimal all-reduce, 2(N-1)/N x B", "ring": "ring, 2(N-1)/N x B",
-                 "torus2d": "2D torus, 2(N-1)/N x B", "ps": "parameter server: the root receives and sends (N-1) x B"
-                 }[algorithm]
-        line = {"axis": DATA, "what": f"{what} averaged over {n} replicas ({label}; B = {grad:,} bytes)",
-                "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
-        if algorithm == "ps":
+        line = {"axis": DATA, "what": f"{expected.what} averaged over {n} replicas ({_ALGORITHM_LABELS[algorithm]}; "
+                f"B = {grad:,} bytes)", "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
+        if expected.kind == "ps":
             line["bytes_sent_per_device"] = (n - 1) * grad  # the root's traffic, the bottleneck
-        period = getattr(strategy, "period", None)
-        if variant == "meet" and period:
-            line["per_step_over_period"] = line["bytes_sent_per_device"] / period
-            line["what"] += f"; once every {period} steps"
+        if expected.share < 1:
+            line["per_step_over_period"] = line["bytes_sent_per_device"] * expected.share
+            line["what"] += f"; once every {round(1 / expected.share)} steps"
         lines.append(line)
     f = mesh_lib.size(mesh, FSDP)
     if f > 1:
@@ -148,18 +141,19 @@ def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
 def _expected(op, variant: str, trainer) -> bool:
     """Whether theory explains a collective: an unexpected one (e.g. an all-gather over data) is flagged."""
     axes = set(op.axes or ())
-    communicator = getattr(trainer.strategy, "communicator", None)
+    communicator = trainer.strategy.communicator
     explicit = communicator is not None and not communicator.native
-    if DATA in axes and variant == "local":
+    local = not trainer.strategy.theory(trainer.ctx, variant, 0)  # a variant that exchanges nothing over data
+    if DATA in axes and local:
         # a local step sends nothing between replicas; with several processes, only its scalar metric means
         return op.bytes <= 64 and op.kind == "all-reduce" and jax.process_count() > 1
     if op.bytes <= 64 and op.kind == "all-reduce":
         return True  # scalars: metric means and the non-finite flag
     if DATA in axes:
         if op.kind == "all-reduce":
-            return variant != "local"
+            return not local
         if op.kind == "collective-permute":
-            return explicit and variant != "local"
+            return explicit and not local
         return op.kind == "reduce-scatter" and FSDP in axes  # gradients over data and fsdp in one op
     if FSDP in axes:
         return op.kind in ("all-gather", "reduce-scatter", "all-reduce")
@@ -254,25 +248,23 @@ def project(variants: dict, trainer) -> dict:
     """Projected mean seconds per step of each strategy, from this trainer's compiled variants: its own exactly (the
     variants weighted by their share of steps); the others from the parts of its exchanging variant (compute, the
     collectives within a replica, the exchange over data) and its local variant if it has one (else a local step is
-    taken to be compute and within-replica collectives only), with no stragglers."""
-    own = trainer.strategy.name
-    result = {own: {"seconds": sum(v["projected_seconds"]["step"] * (v["share"] or 0) for v in variants.values()),
-                    "how": "this run's compiled variants, weighted by their share of steps"}}
-    exchanging = next((v for name, v in variants.items() if name in ("sync", "meet", "update")), None)
-    if exchanging is None:
+    taken to be compute and within-replica collectives only), with no stragglers. Each strategy prices its own
+    pattern (`project`)."""
+    own, ctx = trainer.strategy, trainer.ctx
+    result = {own.name: {"seconds": sum(v["projected_seconds"]["step"] * (v["share"] or 0)
+                                        for v in variants.values()),
+                         "how": "this run's compiled variants, weighted by their share of steps"}}
+    exchanging = [name for name in variants if own.theory(ctx, name, 0)]
+    if not exchanging:
         return result
-    over_data, inside = _exchange_seconds(exchanging)
-    full = exchanging["projected_seconds"]["step"]
-    local = variants["local"]["projected_seconds"]["step"] if "local" in variants else full - over_data
-    period = getattr(trainer.strategy, "period", None) or 4
-    averaged = ((period - 1) * local + full) / period
-    for name, seconds, how in (
-            ("sync", full, "compute, within-replica collectives and the exchange over data every step"),
-            ("local_sgd", averaged, f"{period - 1} local steps, then a meeting (H = {period})"),
-            ("diloco", averaged, f"{period - 1} local steps, then a meeting (H = {period})"),
-            ("ssp", full, "an exchange per update; with stragglers it waits less than sync"),
-            ("asp", full, "an exchange per update; never waits for stragglers")):
-        if name != own:
+    full_entry = variants[exchanging[0]]
+    over_data, _ = _exchange_seconds(full_entry)
+    full = full_entry["projected_seconds"]["step"]
+    quiet = [name for name in variants if not own.theory(ctx, name, 0)]
+    local = variants[quiet[0]]["projected_seconds"]["step"] if quiet else full - over_data
+    for name, cls in REGISTRY.items():
+        if name != own.name:
+            seconds, how = cls.project(full, local, own.period)
             result[name] = {"seconds": seconds, "how": how}
     return result
 

@@ -20,6 +20,9 @@ A strategy decides how data replicas agree on parameters. It owns every fact abo
   arrays it needs (participation flags, staleness indices) and host-side metrics;
 - `theory(ctx, variant, gradient_bytes) -> [Expected]`: the data-axis exchanges the variant should contain, for
   `explain`'s theory lines;
+- `project(exchange_seconds, local_seconds, period) -> (seconds, how)` (a classmethod): its mean step time
+  projected from another run's exchanging and local step times (for `explain`'s comparison of strategies);
+  `period`: the steps between exchanges over the replica axis (1 for every strategy but local SGD / DiLoCo);
 - `notes() -> [str]`: what a run with this configuration should be told at start-up;
 - `from_options(options, steps)` (a classmethod): the strategy a config asks for, from its `OPTIONS` values
   (`COMMON_OPTIONS` apply to every strategy; None = the declared default);
@@ -97,6 +100,7 @@ class Strategy(Protocol):
     REDUCE_NOTE: str  # what `reduce` does, for a restore's note ("{replicas}": the saved replica count)
     communicator: Communicator | None
     clock: Any
+    period: int  # steps between exchanges over the replica axis
 
     def init(self, ctx: StepContext, state: TrainState) -> TrainState: ...
 
@@ -114,6 +118,9 @@ class Strategy(Protocol):
     def theory(self, ctx: StepContext, variant: str, gradient_bytes: int) -> list[Expected]: ...
 
     def notes(self) -> list[str]: ...
+
+    @classmethod
+    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]: ...
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "Strategy": ...

@@ -28,6 +28,7 @@ class StrategyBase:
     OPTIONS: dict = {}
     local_statistics = True
     kept_on_restore: tuple = ()
+    period = 1  # steps between exchanges over the replica axis
     REDUCE_NOTE = "its parameters and optimizer state carry over unchanged"
 
     def __init__(self, allreduce, torus_x, stragglers):

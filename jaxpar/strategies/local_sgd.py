@@ -108,6 +108,12 @@ class LocalSGD(StrategyBase):
             variant = "local"
         return Plan(variant)
 
+    @classmethod
+    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
+        """H - 1 local steps, then a meeting; H is the other run's period, or this strategy's default."""
+        h = period if period > 1 else cls.OPTIONS["sync_period"]
+        return ((h - 1) * local + exchange) / h, f"{h - 1} local steps, then a meeting (H = {h})"
+
     def theory(self, ctx, variant: str, gradient_bytes: int):
         if variant == "meet":
             return [self._exchange("parameters", gradient_bytes, 1 / self.period)]

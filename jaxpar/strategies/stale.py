@@ -59,6 +59,12 @@ class SSP(StrategyBase):
                 f"so every update applies every replica's fresh gradient, as sync SGD does (give a straggler "
                 f"profile to see staleness)"]
 
+    @classmethod
+    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
+        if not cls.bounded:
+            return exchange, "an exchange per update; never waits for stragglers"
+        return exchange, "an exchange per update; with stragglers it waits less than sync"
+
     def theory(self, ctx, variant: str, gradient_bytes: int):
         return [self._exchange("gradients", gradient_bytes)]
 

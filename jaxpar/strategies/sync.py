@@ -60,6 +60,11 @@ class Sync(StrategyBase):
     def plan(self, ctx, step_number: int) -> Plan:
         return Plan("sync")
 
+    @classmethod
+    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
+        """(mean seconds per step, how) of this strategy from another run's exchanging and local step times."""
+        return exchange, "compute, within-replica collectives and the exchange over data every step"
+
     def theory(self, ctx, variant: str, gradient_bytes: int):
         return [self._exchange("gradients", gradient_bytes)]
 

@@ -124,7 +124,8 @@ class Trainer:
         self.batches = BatchPlacer(mesh)
         self.batch_sharding = self.batches.sharding
         self.trace_counts: dict[str, int] = {}  # compilations per step variant (one per batch shape it ran on)
-        self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
+        self._memory_checked: set = set()
+        self._compiled: set = set()  # (variant, batch signature) compiled so far  # (variant, batch signature) whose compiled step fits a device
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
         self.step_costs: dict = {}  # variant -> its StepCost on `hardware` (the latest batch shape it compiled for)
         self._abstract_batch = None  # the latest batch's shapes: what a step variant is priced on before it runs
@@ -289,15 +290,14 @@ class Trainer:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self.ctx, step_number)
         placed = self.batches.place(batch)
-        signature = self._signature(plan, placed)
-        compiles = signature not in self._memory_checked
+        signature = self._signature(plan.variant, placed)
+        compiles = signature not in self._compiled
         self._check_step_memory(signature, plan, state, placed, rows, step_number)
         try:
             state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
-        if compiles:
-            self._count_compilation(plan.variant, placed)
+        self._count_compilation(signature)
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
@@ -308,20 +308,25 @@ class Trainer:
             host["compiled"] = 1.0
         return state, {**metrics, **host}, self.variants[plan.variant].per_replica_metrics
 
-    def _count_compilation(self, variant: str, placed: dict) -> None:
-        """Counted on the host, outside the traced step: each (variant, batch shape) compiles once."""
+    def _count_compilation(self, signature: tuple) -> None:
+        """Counted on the host, outside the traced step: each (variant, batch shape) compiles once (jit caches it;
+        an ahead-of-time compilation of the same signature is the one a later call uses)."""
+        if signature in self._compiled:
+            return
+        self._compiled.add(signature)
+        variant, shapes = signature
         count = self.trace_counts[variant] = self.trace_counts.get(variant, 0) + 1
         if count > 1:  # the first compilation is expected; later ones mean a new batch shape
-            shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in placed.items())
+            shapes = ", ".join(f"{k}: {dtype}{list(shape)}" for k, shape, dtype in shapes)
             log.warning(f"step variant {variant!r} compiles again (compilation {count}) for a new batch shape "
                         f"{{{shapes}}}: each new batch shape compiles the step anew (expected once per size of a "
                         f"deliberate batch-size ramp; otherwise keep batch shapes fixed, e.g. drop or pad the last "
                         f"batch)")
 
     @staticmethod
-    def _signature(plan, placed) -> tuple:
+    def _signature(variant: str, batch) -> tuple:
         """A step variant on a batch shape: what one compilation serves."""
-        return plan.variant, tuple((k, v.shape, str(v.dtype)) for k, v in placed.items())
+        return variant, tuple((k, tuple(v.shape), str(v.dtype)) for k, v in batch.items())
 
     def _check_step_memory(self, signature, plan, state, placed, rows, step_number) -> None:
         """Before a step variant first runs on a batch shape: its compiled per-device bytes must fit a device.
@@ -356,7 +361,10 @@ class Trainer:
         if variant not in self._steps:
             raise ConfigError(f"step variant {variant!r}: the strategy {self.strategy.name!r} has "
                               f"{', '.join(sorted(self._steps))}")
-        return self._steps[variant].lower(self.abstract_state(), self.batches.abstract(batch), inputs or {}).compile()
+        abstract = self.batches.abstract(batch)
+        compiled = self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
+        self._count_compilation(self._signature(variant, abstract))
+        return compiled
 
     def variant_cost(self, variant: str):
         """The `jaxpar.cost.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
