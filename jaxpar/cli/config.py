@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import models
 
-from jaxpar.cli.options import (APPLIES_TO, BN_LOCAL, BN_SYNC, GROUPS, MODEL_OF, MODELS, STRATEGIES, section,  # noqa: F401
-                                shown)
+from jaxpar.cli.options import (APPLIES_TO, BN_LOCAL, BN_SYNC, GROUPS, MODEL_OF, MODELS,  # noqa: F401 (re-exported)
+                                STRATEGIES, section, shown)
 from jaxpar.cli.values import OPTIMIZERS, parse_decay_steps
 from jaxpar.cost.hardware import PROFILES
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
@@ -45,7 +45,7 @@ class Config:
     vocab: int | None = _arch(None, "vocabulary size, >= 256 for bytes; must divide by the model-axis size")
     hidden: int | None = _arch(None, "MLP hidden width")
     channels: tuple[int, int] | None = _arch(None, "CNN channels of its two conv layers")
-    bn: str | None = _arch(None, f"BatchNorm statistics: {BN_SYNC} (over the global batch) | {BN_LOCAL} (each replica's slice)")
+    bn: str | None = _arch(None, f"BatchNorm statistics: {BN_SYNC} (global batch) | {BN_LOCAL} (each replica's slice)")
     # --- data ---
     data: str | None = _data(None, "text file or folder to train on")
     batch_size: int = _data(32, "GLOBAL batch size, split evenly over the batch axes (data x fsdp)")
