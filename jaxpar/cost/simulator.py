@@ -1,6 +1,7 @@
 """The simulated clock of every strategy: one event simulation of replicas, a server and the staleness rule.
 
-The mesh runs its devices in lock step, so time is simulated on the host (DESIGN.md §5). `simulate` is the one event
+The mesh runs its devices in lock step, so time is simulated on the host (the semantics:
+docs/strategies.md, "Emulated asynchrony (SSP / ASP)"). `simulate` is the one event
 simulator behind `sim_time` for every strategy:
 
 - replica i's k-th step costs `c_ik x compute(variant)` seconds, c_ik its straggler factor (with jitter) and

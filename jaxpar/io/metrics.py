@@ -25,8 +25,8 @@ from typing import IO
 from jaxpar.errors import JaxparError
 
 
-# Every key a step or evaluation record may hold besides the loss function's own metrics (README, "The JSONL
-# schema"). tests/test_progress.py runs every strategy and checks its records against it.
+# Every key a step or evaluation record may hold besides the loss function's own metrics (docs/metrics.md, "The
+# JSONL schema"). tests/test_progress.py runs every strategy and checks its records against it.
 STEP_KEYS = {
     "step": "updates done", "loss": "the loss function's loss", "lr": "learning rate of the step",
     "batch_size": "global batch of the step (SSP / ASP: the contributing replicas' examples)",
@@ -303,7 +303,7 @@ class TensorBoardFile:
         for key, value in record.items():
             if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+            tag = f"eval/{key[len(EVAL_PREFIX):]}" if key.startswith(EVAL_PREFIX) else f"train/{key}"
             self.writer.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """Gradient averaging over the replica axis, with the allreduce algorithm as a choice (a communicator object).
 
 This is the only module that calls `lax.pmean` / `lax.ppermute` & co, so every byte the trainer sends between
-replicas goes through here and can be compared with `theoretical_traffic` (see `jaxpar.explain`).
+replicas goes through here and can be compared with `theoretical_traffic` (see `jaxpar.cost.explain`).
 
 Algorithms (all return the same numbers as `lax.pmean`, up to float summation order):
 
@@ -224,8 +224,6 @@ class Communicator:
         if self.name == "torus2d":
             torus_shape(n, self.torus_x)
 
-    def traffic(self, n: int, nbytes: int) -> dict:
-        return theoretical_traffic(self.name, n, nbytes, self.torus_x)
 
     def __repr__(self):
         return f"Communicator({self.name!r}" + (f", torus_x={self.torus_x})" if self.torus_x else ")")
