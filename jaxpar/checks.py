@@ -20,7 +20,11 @@ def int_problem(value, low: int, high: int | None = None, why: str = "") -> str 
     """What is wrong with `value` as an integer in [low, high) (None: nothing)."""
     if is_int(value) and value >= low and (high is None or value < high):
         return None
-    bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
+    if high is None:
+        bound = f"an integer >= {low}"
+    else:  # a large power of two reads as one: [0, 2**32)
+        shown = f"2**{high.bit_length() - 1}" if high >= 2**16 and high & (high - 1) == 0 else str(high)
+        bound = f"an integer in [{low}, {shown})"
     return f"must be {bound}{f' ({why})' if why else ''}"
 
 

@@ -25,7 +25,7 @@ listed in the plan's notes. Rules given explicitly are followed strictly.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import jax

@@ -27,17 +27,17 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.checks import check_int
 from jaxpar.cost.hardware import compiled_cost, parse_hardware
-from jaxpar.errors import ConfigError, ModelError, ResourceError, StateError
+from jaxpar.errors import ConfigError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.runtime.distributed import to_host
 from jaxpar.runtime.resources import check_fits, check_step_memory, device_error, step_flops
-from jaxpar.strategies import StepContext, Strategy, Sync
+from jaxpar.strategies import Strategy, Sync
 from jaxpar.train import loop
 from jaxpar.train.actions import Action
 from jaxpar.train.batches import BatchPlacer
-from jaxpar.train.step import (LossFn, TrainState, check_optimizer, evaluate_batch, guarded_step, split_model,
-                               step_key, with_rngs)
+from jaxpar.train.setup import check_arguments, state_plan
+from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
 log = logging.getLogger("jaxpar")
 
@@ -48,7 +48,7 @@ class Trainer:
     Args:
       model: a function `rngs -> nnx.Module` (e.g. the class itself, or `jaxpar.from_linen(...)`).
       loss_fn: `(model, batch) -> (loss, metrics)` or `(model, batch, rngs) -> (loss, metrics)`; in the second
-        form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.step`).
+        form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.train.step`).
       optimizer: an optax GradientTransformation (e.g. `optax.adamw(1e-3)`, not the string "adamw").
       mesh: from `jaxpar.make_mesh` (a `Mesh` with Auto axes data, fsdp, model).
       rules: logical axis name -> mesh axis, a dict or Flax's list of pairs. None: `DEFAULT_RULES`, with automatic
@@ -73,59 +73,21 @@ class Trainer:
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
                  hardware=None):
-        mesh_lib.check_mesh(mesh)
+        check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.hardware = parse_hardware(hardware)
-        if isinstance(model, nnx.Module) or not callable(model):
-            raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
-                             f"itself, or lambda rngs: MyModel(..., rngs=rngs)), not a built module")
-        for argument, fn in (("loss_fn", loss_fn), ("eval_loss_fn", eval_loss_fn or loss_fn)):
-            if not callable(fn):
-                raise ModelError(f"{argument} {fn!r}: not a function; {argument} is (model, batch[, rngs]) -> "
-                                 f"(scalar loss, dict of metrics)")
-        check_optimizer("optimizer", optimizer)
-        check_int("grad_accum", grad_accum, 1, "microbatches per update")
-        if strategy is not None and not all(callable(getattr(strategy, m, None))
-                                            for m in ("init", "reduce", "shardings", "steps", "plan")):
-            raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
-                              f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
-        if not isinstance(skip_nonfinite, bool):
-            raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
-                              f"not finite) or False (apply it)")
         self.mesh, self.strategy, self.skip_nonfinite = mesh, strategy or Sync(), skip_nonfinite
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
-        self._loss_fn = with_rngs(loss_fn)
+        plan = state_plan(model, with_rngs(loss_fn), optimizer, mesh, self.rules, rules is not None, self.strategy,
+                          grad_accum, skip_nonfinite)
+        self.ctx, self.plan_notes, self._eval_graphdef = plan.ctx, plan.notes, plan.eval_graphdef
         self._eval_loss_fn = with_rngs(eval_loss_fn or loss_fn)
-        shd.validate_rules(self.rules, mesh)
-
-        with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
-        if not isinstance(abstract, nnx.Module):
-            raise ModelError(f"model: the factory returned {type(abstract).__name__}, not an nnx.Module; it must be "
-                             f"rngs -> nnx.Module (a Linen module: wrap it with jaxpar.from_linen)")
-        abstract.eval()
-        self._eval_graphdef = split_model(abstract)[0]
-        abstract.train()
-        graphdef, abs_params, abs_model_state = split_model(abstract)
-
-        self.plan_notes = shd.PlanNotes()
-        strict = rules is not None
-        param_sh = shd.state_shardings(abs_params, self.rules, mesh, strict, self.plan_notes)
-        model_state_sh = shd.state_shardings(abs_model_state, self.rules, mesh, strict)
-        opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
-        self.ctx = StepContext(graphdef, abs_params, self._loss_fn, optimizer, mesh, param_sh, model_state_sh,
-                               opt_sh, grad_accum, self.strategy.communicator, skip_nonfinite)
-        comm = self.ctx.communicator
-        comm_sh = () if comm is None else jax.tree.map(
-            lambda _: shd.replicated(mesh), jax.eval_shape(comm.init, abs_params))
-        base = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
-        self.neutral_shardings = base
-        self.state_shardings = self.strategy.shardings(self.ctx, base)
+        self.neutral_shardings, self.state_shardings = plan.neutral_shardings, plan.state_shardings
         self.batches = BatchPlacer(mesh)
         self.batch_sharding = self.batches.sharding
         self.trace_counts: dict[str, int] = {}  # compilations per step variant (one per batch shape it ran on)
-        self._memory_checked: set = set()
-        self._compiled: set = set()  # (variant, batch signature) compiled so far  # (variant, batch signature) whose compiled step fits a device
+        self._memory_checked: set = set()  # (variant, batch signature) whose compiled step fits a device
+        self._compiled: set = set()  # (variant, batch signature) compiled so far
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
         self.step_costs: dict = {}  # variant -> its StepCost on `hardware` (the latest batch shape it compiled for)
         self._abstract_batch = None  # the latest batch's shapes: what a step variant is priced on before it runs

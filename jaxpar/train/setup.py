@@ -1,0 +1,74 @@
+"""What a Trainer is built from: its arguments checked, and the train state's plan (the model traced abstractly,
+every part of the state placed by the rules, the strategy's context and shardings)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+from jaxpar.checks import check_int
+from jaxpar.errors import ConfigError, ModelError
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
+from jaxpar.strategies import StepContext
+from jaxpar.train.step import TrainState, check_optimizer, split_model
+
+
+def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite) -> None:
+    """Each bad Trainer argument as one `JaxparError` naming it."""
+    mesh_lib.check_mesh(mesh)
+    if isinstance(model, nnx.Module) or not callable(model):
+        raise ModelError(f"model: got {type(model).__name__}; pass a function rngs -> nnx.Module (the class "
+                         f"itself, or lambda rngs: MyModel(..., rngs=rngs)), not a built module")
+    for argument, fn in (("loss_fn", loss_fn), ("eval_loss_fn", eval_loss_fn or loss_fn)):
+        if not callable(fn):
+            raise ModelError(f"{argument} {fn!r}: not a function; {argument} is (model, batch[, rngs]) -> "
+                             f"(scalar loss, dict of metrics)")
+    check_optimizer("optimizer", optimizer)
+    check_int("grad_accum", grad_accum, 1, "microbatches per update")
+    if strategy is not None and not all(callable(getattr(strategy, m, None))
+                                        for m in ("init", "reduce", "shardings", "steps", "plan")):
+        raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
+                          f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
+    if not isinstance(skip_nonfinite, bool):
+        raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
+                          f"not finite) or False (apply it)")
+
+
+class StatePlan(NamedTuple):
+    ctx: StepContext  # what the strategy builds its steps from
+    eval_graphdef: Any  # the model's structure in eval mode
+    neutral_shardings: TrainState  # of the strategy-free state
+    state_shardings: TrainState  # of the strategy's state
+    notes: shd.PlanNotes  # what the sharding plan decided that the user should hear
+
+
+def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, grad_accum: int,
+               skip_nonfinite: bool) -> StatePlan:
+    """Traces `model` abstractly (nothing allocated) and places every part of the train state: parameters and
+    model state by `rules` (`strict`: rules given explicitly are followed, the default ones bend for FSDP),
+    optimizer state like the parameters, the rest replicated; then the strategy adds its own."""
+    shd.validate_rules(rules, mesh)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+    if not isinstance(abstract, nnx.Module):
+        raise ModelError(f"model: the factory returned {type(abstract).__name__}, not an nnx.Module; it must be "
+                         f"rngs -> nnx.Module (a Linen module: wrap it with jaxpar.from_linen)")
+    abstract.eval()
+    eval_graphdef = split_model(abstract)[0]
+    abstract.train()
+    graphdef, abs_params, abs_model_state = split_model(abstract)
+
+    notes = shd.PlanNotes()
+    param_sh = shd.state_shardings(abs_params, rules, mesh, strict, notes)
+    model_state_sh = shd.state_shardings(abs_model_state, rules, mesh, strict)
+    opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
+    ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh, grad_accum,
+                      strategy.communicator, skip_nonfinite)
+    comm = strategy.communicator
+    comm_sh = () if comm is None else jax.tree.map(lambda _: shd.replicated(mesh), jax.eval_shape(comm.init,
+                                                                                                    abs_params))
+    neutral = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
+    return StatePlan(ctx, eval_graphdef, neutral, strategy.shardings(ctx, neutral), notes)
