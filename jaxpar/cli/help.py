@@ -24,6 +24,16 @@ MORE = {  # what --help adds to a declaration's one line
 }
 
 
+def _allreduce_default() -> str:
+    """What no --allreduce means, asked of the strategies: the compiler's averaging where replicas share one step."""
+    from jaxpar import strategies
+
+    shared = [s for s in STRATEGIES if not strategies.from_config(Config(strategy=s).resolved()).local_statistics]
+    others = [s for s in STRATEGIES if s not in shared]
+    return (f"none given: {' / '.join(shared)} leaves the averaging to XLA's partitioner, {' / '.join(others)} use "
+            f"psum")
+
+
 def describe(name: str) -> str:
     """The full help text of a field: its declared help, more, what it applies to and its default."""
     meta, default = OPTIONS[name], Config.__dataclass_fields__[name].default
@@ -32,7 +42,9 @@ def describe(name: str) -> str:
         notes.append(f"{' / '.join(meta['models'])} only")
     if name in APPLIES_TO and len(APPLIES_TO[name]) < len(STRATEGIES):
         notes.append(f"--strategy {' / '.join(APPLIES_TO[name])} only")
-    if meta["default_text"] is not None:
+    if name == "allreduce":
+        notes.append(f"default: {_allreduce_default()}")
+    elif meta["default_text"] is not None:
         notes.append(f"default: {meta['default_text']}")
     elif name in APPLIES_TO:  # the strategies' own defaults
         by_value: dict[Any, list[str]] = {}

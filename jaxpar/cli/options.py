@@ -41,7 +41,6 @@ DEFAULT_TEXT = {  # how --help states a default that is not a plain value
     "bn": "sync, or local under a strategy whose replicas compute on their own slice",
     "data": "the Python standard library's .py files",
     "lr_decay_steps": "50% and 75% of --steps",
-    "allreduce": "none given: sync leaves the averaging to XLA's partitioner, the other strategies use psum",
     "torus": "the divisor of the data-axis size nearest its square root",
     "stragglers": "none given: every replica is equally fast",
     "hardware": "none: every step costs 1, communication is free",
