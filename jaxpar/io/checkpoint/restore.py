@@ -17,6 +17,9 @@ from jaxpar.io.checkpoint.naming import describe, flatten, shapes, strategy_name
 from jaxpar.parallel import partitioning
 
 NESTED_FIELDS = ("strategy_state",)  # TrainState fields that hold a dict of named parts (strategies/base.py)
+# TrainState fields whose saved leaves this trainer lacks are dropped, not refused (as before the reshape: e.g. a
+# learning-rate schedule's count saved by run.py's optimizer, restored with a constant-rate one)
+DROPPED_IF_EXTRA = ("opt_state",)
 UNCHANGED_NOTE = "its parameters and optimizer state carry over unchanged"  # a checkpoint of no known strategy
 
 
@@ -68,7 +71,8 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
             if shape != wanted[name]["shape"] or dtype != wanted[name]["dtype"]:
                 problems.append(f"{name}: checkpoint {dtype}{shape}, this model "
                                 f"{wanted[name]['dtype']}{wanted[name]['shape']}")
-        problems += [f"{n} is in the checkpoint but not in this model" for n in sorted(set(values) - set(names))[:3]]
+        extra = sorted(n for n in set(values) - set(names) if n.split(".")[0] not in DROPPED_IF_EXTRA)
+        problems += [f"{n} is in the checkpoint but not in this model" for n in extra[:3]]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(checkpoints.directory, f"the checkpoint of step {step} is of another model or "
