@@ -8,12 +8,15 @@ training loss against simulated time (runs with `--stragglers`, where time is no
 A table of each run's final numbers is printed as markdown (`--table FILE.md` writes it too).
 
 A run is labelled by its file name, strategy and mesh. A file that is missing, empty or has no step records is
-refused in one line (exit code 2); nothing is written then.
+refused in one line (exit code 2); so is an output that cannot be written (`-o`, `--table`): both are checked
+before either is written, so nothing is written then. `-o FOLDER` writes FOLDER/report.png; the last line names
+the files really written.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -164,37 +167,76 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+DEFAULT_NAME = "report.png"
+
+
+def figure_path(output: str) -> str:
+    """The file `-o` names: an existing folder (or a path ending in a separator) gets `report.png` inside it; a path
+    without an extension gets `.png`, as matplotlib would add it, so the message names the file really written."""
+    if output.endswith(("/", os.sep)) or os.path.isdir(output):
+        return os.path.join(output, DEFAULT_NAME)
+    if not os.path.splitext(output)[1]:
+        return output + ".png"
+    return output
+
+
+def _unwritable(path: str, flag: str, hint: str) -> str | None:
+    """Why `path` cannot be written as a file (None if it can), as one line naming `flag`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path!r}: is a folder; {hint}"
+    if not os.path.isdir(folder):
+        return f"{flag} {path!r}: the folder {folder!r} does not exist; pass a path in an existing folder"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path!r}: cannot be written (permission denied); {hint}"
+    return None
+
+
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m jaxpar.report", description="Plot runs' --metrics JSONL files and print a "
                                                                  "table of their final numbers.")
     parser.add_argument("runs", nargs="+", help="JSONL files written by run.py --metrics")
-    parser.add_argument("-o", "--output", default="report.png", help="the figure (PNG, PDF or SVG; default "
-                                                                     "report.png)")
+    parser.add_argument("-o", "--output", default=DEFAULT_NAME,
+                        help=f"the figure (PNG, PDF or SVG; default {DEFAULT_NAME}; a folder gets {DEFAULT_NAME} in it)")
     parser.add_argument("--table", default=None, help="also write the markdown table to this file")
     args = parser.parse_args(argv)
+
+    def error(message: str) -> int:
+        print(f"jaxpar.report: error: {message}", file=sys.stderr)
+        return 2
+
     try:
         runs = [Run(path) for path in args.runs]
-    except DataError as error:
-        print(f"jaxpar.report: error: {error}", file=sys.stderr)
-        return 2
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder):
-        print(f"jaxpar.report: error: -o {args.output!r}: the folder {folder!r} does not exist; pass a path in an "
-              f"existing folder", file=sys.stderr)
-        return 2
-    text = table(runs)
+    except DataError as problem:
+        return error(str(problem))
+    output = figure_path(args.output)
+    kind = os.path.splitext(output)[1][1:].lower()
     fig = figure(runs)
-    try:
-        fig.savefig(args.output, dpi=110)
-        if args.table:
-            with open(args.table, "w", encoding="utf-8") as handle:
-                handle.write(text + "\n")
-    except (OSError, ValueError) as error:
-        print(f"jaxpar.report: error: -o {args.output!r}: cannot be written ({error}); pass another path "
-              f"ending in .png, .pdf or .svg", file=sys.stderr)
-        return 2
+    if kind not in fig.canvas.get_supported_filetypes():
+        return error(f"-o {args.output!r}: cannot write a .{kind} figure; pass a path ending in .png, .pdf or .svg")
+    # Both outputs are checked before either is written: a refused run leaves no file behind.
+    problems = [_unwritable(output, "-o", "pass another path ending in .png, .pdf or .svg")]
+    if args.table:
+        problems.append(_unwritable(args.table, "--table", "pass another path for the markdown table"))
+    for problem in problems:
+        if problem:
+            return error(problem)
+    text = table(runs)
+    rendered = io.BytesIO()
+    fig.savefig(rendered, format=kind, dpi=110)
+    for path, flag, content in ((output, "-o", rendered.getvalue()),
+                                (args.table, "--table", (text + "\n").encode("utf-8"))):
+        if not path:
+            continue
+        try:
+            with open(path, "wb") as handle:
+                handle.write(content)
+        except OSError as problem:
+            return error(f"{flag} {path!r}: cannot be written ({problem.strerror or problem}); pass another path")
     print(text)
-    print(f"wrote {args.output}")
+    for path in (output, args.table):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
