@@ -26,6 +26,13 @@ def leaf_name(path) -> str:
     return ".".join(key_text(entry) for entry in path)
 
 
+def variable_name(path, variable) -> str:
+    """The name of the array a tree leaf at `path` holds when that leaf is itself a pytree node with one leaf (an
+    `nnx.Variable`, whose array is its `value`): the name a flattened state gives that array."""
+    inner = jax.tree_util.tree_flatten_with_path(variable)[0]
+    return leaf_name(tuple(path) + tuple(inner[0][0])) if len(inner) == 1 else leaf_name(path)
+
+
 def named_leaves(tree, is_leaf=None) -> list[tuple[str, object]]:
     """[(name, leaf)] in tree order; a name two paths share (after `_` replacement) gets `_2`, `_3`, ..."""
     out, seen = [], set()

@@ -88,8 +88,8 @@ def test_fsdp_dimension_that_does_not_divide_moves_or_stays_whole_and_is_reporte
     assert all(entry is None for entry in state.params["out"]["bias"].sharding.spec)  # nothing divides by 4: whole
     assert state.params["hidden"]["kernel"].sharding.spec == P("fsdp", None)
     notes = "\n".join(trainer.notes)
-    assert f"1 parameter(s) stay whole" in notes and f"out/bias [{classes}]" in notes
-    assert f"out/kernel [32, {classes}] on dim 0" in notes
+    assert f"1 parameter(s) stay whole" in notes and f"out.bias.value [{classes}]" in notes
+    assert f"out.kernel.value [32, {classes}] on dim 0" in notes
     # it trains exactly like one device
     reference = jaxpar.Trainer(lambda rngs: Classifier(classes, rngs), classifier_loss, optax.sgd(0.1),
                                jaxpar.make_mesh("1x1"))
@@ -112,7 +112,7 @@ def test_fsdp_fallback_joins_a_tensor_parallel_dimension_when_no_free_one_divide
 
 
 def test_explicit_rules_that_do_not_divide_are_still_an_error():
-    with pytest.raises(jaxpar.ShardingError, match=r"model dimension 'embed' = 10 \(parameter out/(bias|kernel)\) is not "
+    with pytest.raises(jaxpar.ShardingError, match=r"model dimension 'embed' = 10 \(parameter out\.(bias|kernel)\.value\) is not "
                                                    r"divisible by mesh axis 'fsdp' of size 4"):
         jaxpar.Trainer(lambda rngs: Classifier(10, rngs), classifier_loss, optax.sgd(0.1),
                        jaxpar.make_mesh("fsdp=4"), rules=dict(jaxpar.DEFAULT_RULES))

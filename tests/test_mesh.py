@@ -46,8 +46,7 @@ def test_roles():
     assert mesh_lib.batch_ways(mesh) == 4 and mesh_lib.replica_count(mesh) == 2
     assert mesh_lib.BATCH_AXES == mesh_lib.GRADIENT_AXES == ("data", "fsdp")
     assert mesh_lib.PARAMETER_AXES == ("fsdp", "model") and mesh_lib.REPLICA_AXIS == "data"
-    assert mesh_lib.keep_within_replica(jax.sharding.PartitionSpec("data", ("fsdp", "model"), None)) == \
-        jax.sharding.PartitionSpec(None, ("fsdp", "model"), None)
+    assert mesh_lib.WITHIN_REPLICA_AXES == ("fsdp", "model")
 
 
 def test_model_axis_is_innermost_so_it_gets_neighbouring_devices():

@@ -59,7 +59,7 @@ def test_rule_naming_a_missing_mesh_axis_is_a_clear_error():
 
 
 def test_two_dimensions_on_one_mesh_axis_names_the_parameter():
-    with pytest.raises(jaxpar.ShardingError, match=r"parameter hidden/kernel: dimensions 0 \('embed'\) and 1 \('mlp'\)"):
+    with pytest.raises(jaxpar.ShardingError, match=r"parameter hidden\.kernel\.value: dimensions 0 \('embed'\) and 1 \('mlp'\)"):
         trainer_for("mlp", "2x4", rules={**DEFAULT_RULES, "embed": "model"})
 
 
@@ -117,3 +117,19 @@ def test_names_no_rule_mentions_are_reported_once():
     assert "logical axis names mlp appear" in notes[0]
     assert trainer.init(0).params["hidden"]["kernel"].sharding.spec == P(None, None)  # replicated, as it says
     assert trainer_for("mlp", "2x4").notes == []
+
+
+def test_partitioning_derives_specs_by_role():
+    """The specs other modules use are built here by role: inside a replica (every axis but data kept), ZeRO-3's
+    gathered layout (fsdp dropped), stacks over the replicas or unsplit, and the batch over data x fsdp."""
+    from jaxpar.parallel import partitioning as shd
+
+    mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
+    stored = jax.sharding.NamedSharding(mesh, P("data", ("fsdp", "model"), None))
+    assert shd.within_replica_specs(stored) == P(None, ("fsdp", "model"), None)
+    assert shd.gathered_over(stored, "fsdp").spec == P("data", "model", None)
+    param = jax.sharding.NamedSharding(mesh, P(("fsdp", "model"), None))
+    assert shd.stacked(param).spec == P("data", ("fsdp", "model"), None)
+    assert shd.stacked(param, over_replicas=False).spec == P(None, ("fsdp", "model"), None)
+    assert shd.batch_sharding(mesh).spec == P(("data", "fsdp"))
+    assert shd.split_axes(stored.spec) == {"data", "fsdp", "model"}

@@ -21,10 +21,11 @@ Example (8 CPU devices)::
 
     import jax, jax.numpy as jnp, jaxpar
     from jaxpar.parallel.collectives import allreduce_mean
-    from jaxpar.parallel.partitioning import PER_REPLICA  # one entry per device of the data axis
+    from jaxpar.parallel.mesh import REPLICA_AXIS
+    from jaxpar.parallel.partitioning import PER_REPLICA  # one entry per device of the replica axis
 
-    mesh = jaxpar.make_mesh("8")  # data=8
-    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, "data", "ring"), mesh=mesh, in_specs=PER_REPLICA,
+    mesh = jaxpar.make_mesh("8")  # 8 replicas
+    f = jax.jit(jax.shard_map(lambda g: allreduce_mean(g, REPLICA_AXIS, "ring"), mesh=mesh, in_specs=PER_REPLICA,
                               out_specs=PER_REPLICA))
     f(jnp.arange(8.0))  # every entry is 3.5
 
@@ -41,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxpar.checks import is_int
 from jaxpar.errors import OptionError
 
 ALLREDUCE_ALGORITHMS = ("psum", "ring", "torus2d", "ps")
@@ -62,7 +64,7 @@ def default_torus_x(n: int) -> int:
 def torus_shape(n: int, torus_x: int | None) -> tuple[int, int]:
     """(X, Y) of the torus2d grid over `n` devices; a `torus_x` that does not divide `n` is a ConfigError."""
     x = default_torus_x(n) if torus_x is None else torus_x
-    if not isinstance(x, int) or x < 1 or n % x:
+    if not is_int(x) or x < 1 or n % x:
         divisors = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
         raise OptionError("torus_x", torus_x, f"does not divide the data axis size {n}; use one of: {divisors}",
                           flag="--torus")

@@ -24,7 +24,6 @@ user already chose a count, or JAX has already started) so that `--mesh 2x4` jus
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import re
 
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar.checks import is_int
 from jaxpar.errors import MeshError
 
 DATA, FSDP, MODEL = "data", "fsdp", "model"
@@ -239,11 +239,7 @@ _TUPLE_FORMS = ("give an int (data), a tuple of 1 to 3 sizes ((data,), (data, mo
 
 
 def _as_sizes(spec) -> tuple:
-    return (spec,) if _is_int(spec) else tuple(spec)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return (spec,) if is_int(spec) else tuple(spec)
 
 
 def _tuple_shape(spec) -> tuple[int, ...]:
@@ -255,7 +251,7 @@ def _tuple_shape(spec) -> tuple[int, ...]:
     if len(sizes) not in _POSITIONAL:
         raise MeshError(f"make_mesh({spec!r}): {len(sizes)} sizes; {_TUPLE_FORMS}")
     for value in sizes:
-        if not _is_int(value):
+        if not is_int(value):
             raise MeshError(f"make_mesh({spec!r}): size {value!r} is not an integer; {_TUPLE_FORMS}")
         if value < 1 and value != -1:
             raise MeshError(f"make_mesh({spec!r}): size {value} must be >= 1 (or -1 once); {_TUPLE_FORMS}")

@@ -18,7 +18,7 @@ it bends instead of failing: a dimension mapped to the fsdp axis that does not d
 largest other dimension that divides (big_vision's rule), or leaves the parameter whole; each such parameter is
 listed in the plan's notes. Rules given explicitly are followed strictly.
 
-    >>> spec_for(("embed", "mlp"), DEFAULT_RULES, mesh, "mlp/kernel")     # doctest: +SKIP
+    >>> spec_for(("embed", "mlp"), DEFAULT_RULES, mesh, "mlp.kernel.value")     # doctest: +SKIP
     PartitionSpec(<fsdp axis>, <tensor axis>)
 """
 
@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.errors import ShardingError
+from jaxpar.names import variable_name
 
 # Megatron-style tensor parallelism (attention heads, the MLP hidden dimension and the vocabulary over the tensor
 # axis) plus ZeRO-3 (the embedding dimension of every big matrix over the fsdp axis).
@@ -47,10 +48,6 @@ DEFAULT_RULES: dict[str, str | None] = {
 }
 
 Rules = "Mapping[str, str | tuple[str, ...] | None] | Sequence[tuple[str, str | tuple[str, ...] | None]]"
-
-
-def path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def _axes_of(target) -> tuple[str, ...]:
@@ -208,7 +205,7 @@ def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, note
             if names and any(n is not None for n in names):
                 notes.annotated += 1
                 notes.unruled.update(n for n in names if n is not None and n not in ruled)
-        return NamedSharding(mesh, spec_for(names, rules, mesh, path_name(path), shape, strict, notes))
+        return NamedSharding(mesh, spec_for(names, rules, mesh, variable_name(path, variable), shape, strict, notes))
 
     return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)
 

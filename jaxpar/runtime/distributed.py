@@ -25,6 +25,7 @@ import re
 
 import jax
 
+from jaxpar.checks import int_problem
 from jaxpar.errors import ConfigError, OptionError
 
 log = logging.getLogger("jaxpar")
@@ -53,8 +54,9 @@ def _check_address(address, name: str) -> str:
 
 
 def _check_int(value, name: str, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise OptionError(name, value, f"must be an integer >= {low} ({what})")
+    problem = int_problem(value, low, why=what)
+    if problem:
+        raise OptionError(name, value, problem)
     return value
 
 
