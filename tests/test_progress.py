@@ -90,14 +90,31 @@ def test_steps_report_their_compiled_flops_and_the_log_their_utilisation():
     assert 0.9 <= metrics_8["flops"] / metrics["flops"] <= 1.5  # all devices together: about the same work
 
 
-def test_flops_per_second_and_utilisation_are_recorded(tmp_path):
+def test_flops_per_second_and_utilisation_are_recorded(tmp_path, monkeypatch):
+    """FLOP/s = the FLOPs of the steps since the last record / the seconds since it, on a clock the test sets."""
+    import types
+
+    from jaxpar.io import metrics as metrics_lib
+    from tests.helpers import batch_for, trainer_for
+
+    trainer = trainer_for("mlp", "1x1")  # 64 -> 32 -> 10, batch 64: the hand count of test_steps_report_...
+    _, compiled = trainer.step(trainer.init(0), batch_for("mlp", size=64))
+    matmuls = 64 * (2 * (64 * 32 + 32 * 10) + 2 * (64 * 32 + 2 * 32 * 10))
+    clock = [100.0]
+    monkeypatch.setattr(metrics_lib, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     path = tmp_path / "m.jsonl"
-    logger = RunLogger(1, 8, 1, str(path), stream=io.StringIO(), peak_flops=2e9)
-    logger.on_step(1, {"loss": 1.0, "flops": 5e8})
+    logger = RunLogger(4, 64, 3, str(path), stream=io.StringIO(), peak_flops=2e9)
+    for step, at, flops in [(1, 102.0, 5e8), (2, 104.0, 5e8), (3, 107.0, 5e8), (4, 107.5, float(compiled["flops"]))]:
+        clock[0] = at
+        logger.on_step(step, {"loss": 1.0, "flops": flops})
     logger.close()
-    record = [json.loads(line) for line in path.read_text().splitlines()][0]
-    assert record["flops_per_sec"] == pytest.approx(5e8 / record["elapsed_sec"], rel=0.2)
-    assert record["flops_utilization"] == pytest.approx(record["flops_per_sec"] / 2e9)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 3, 4]
+    # step 1: 5e8 FLOPs in 2 s; steps 2 and 3 (step 2 not logged): 1e9 FLOPs in the 5 s since step 1's record
+    assert [r["flops_per_sec"] for r in records[:2]] == [2.5e8, 2e8]
+    assert [r["flops_utilization"] for r in records[:2]] == [0.125, 0.1]
+    # step 4: the compiled step's FLOPs (XLA's count) in 0.5 s, against the hand count of its matmuls
+    assert 1.0 <= records[2]["flops_per_sec"] / (matmuls / 0.5) <= 1.2
 
 
 @pytest.mark.parametrize("strategy", [[], ["--strategy", "local_sgd", "--sync-period", "2"],
