@@ -24,7 +24,8 @@ from jaxpar.cli.config import Config
 from jaxpar.cli.experiment import batch_sizes, run_notes, strategy_config
 from jaxpar.io.metrics import JsonlFile, RunLogger
 from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
-from jaxpar.cost.simulator import bsp_clock, bsp_times, parse_stragglers
+from jaxpar.cost.simulator import parse_stragglers
+from jaxpar.strategies.common import bsp_clock, bsp_times
 from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

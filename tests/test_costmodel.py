@@ -13,7 +13,8 @@ from jaxpar.strategies.common import Clock
 from jaxpar.cost.hardware import PROFILES, Link, StepCost, collective_seconds, parse_hardware, step_cost
 from jaxpar.cost.hlo import Collective, collective_ops
 from jaxpar.runtime.resources import step_flops
-from jaxpar.cost.simulator import bsp_times, meeting_rounds, parse_stragglers, simulate
+from jaxpar.cost.simulator import parse_stragglers, simulate
+from jaxpar.strategies.common import bsp_times, meeting_rounds
 from tests.helpers import batch_for, trainer_for
 
 AXES = ("data", "fsdp", "model")

@@ -7,7 +7,8 @@ import pytest
 
 from jaxpar.errors import ConfigError, cli_message
 from jaxpar.cost import simulator
-from jaxpar.cost.simulator import (Stragglers, bsp_times, compute_times, parse_stragglers, simulate_ps)
+from jaxpar.cost.simulator import Stragglers, compute_times, parse_stragglers, simulate_ps
+from jaxpar.strategies.common import bsp_times
 
 
 def times(updates):

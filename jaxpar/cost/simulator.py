@@ -26,7 +26,7 @@ Pure Python + numpy on purpose: no JAX, so the schedule is cheap, testable alone
     [1.0, 2.0, 3.0]
     >>> simulate_ps(s, 4, None, 2)[1].staleness.tolist()   # replica 3 computed on version 0, applied after update 0
     [0, 0, 0, 1]
-    >>> bsp_times(s, 4, 3).tolist()                         # sync SGD waits for the slowest replica every step
+    >>> [u.sim_time for u in itertools.islice(simulate(s, 4), 3)]   # BSP waits for the slowest replica every step
     [2.0, 4.0, 6.0]
 """
 
@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxpar.checks import check_int
 from jaxpar.errors import ConfigError, OptionError
 
 # Arrivals closer than this are the same instant: sums of float compute times may differ in the last bits.
@@ -152,8 +153,7 @@ def _check_staleness(staleness_bound) -> float:
 
 
 def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}")
+    check_int(name, value, low)
 
 
 CHUNK_ROWS = 4096  # rows of compute times drawn at a time
@@ -274,32 +274,3 @@ def check_update_count(num_updates: int) -> None:
         raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
                           f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
                           f"or fewer")
-
-
-def meeting_rounds(period: int = 1, sync_steps: int = 0):
-    """`simulate`'s rounds for replicas that meet every step for `sync_steps` steps (variant "sync"), then every
-    `period` steps ("local" steps, then "meet"); period 1 from the start is sync SGD."""
-    _check_int("period (steps between replica meetings)", period, 1)
-    _check_int("sync_steps", sync_steps, 0)
-    local = ("local",) * (period - 1) + ("meet",) if period > 1 else ("meet",)
-    return lambda update: ("sync",) if update < sync_steps else local
-
-
-def bsp_clock(stragglers: Stragglers, num_replicas: int, period: int = 1, sync_steps: int = 0):
-    """The simulated clock after each step, lazily and forever, for replicas that meet on a fixed schedule
-    (`meeting_rounds`), unit compute and free communication: memory stays O(replicas) whatever the step count."""
-    return (u.sim_time for u in simulate(stragglers, num_replicas, 0, meeting_rounds(period, sync_steps)))
-
-
-def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period: int = 1) -> np.ndarray:
-    """[num_steps] simulated clock after each step when replicas meet every `period` steps (`bsp_clock`).
-
-    Sync SGD (period 1) pays the slowest replica every step. Local SGD (period H) lets each replica run its H steps
-    at its own pace and pays the wait only at the meeting: clock = last meeting + max over replicas of their time
-    since it. Between meetings there is no common clock, so those steps report the mean of the replicas' clocks.
-    """
-    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_int("num_steps", num_steps, 0)
-    _check_int("period (steps between replica meetings)", period, 1)
-    return np.fromiter(itertools.islice(bsp_clock(stragglers, num_replicas, period), num_steps), np.float64,
-                       num_steps)

@@ -26,8 +26,7 @@ from jaxpar.parallel.partitioning import optimizer_shardings, stacked
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
-from jaxpar.cost.simulator import meeting_rounds
+from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int, meeting_rounds
 
 SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
 

@@ -152,7 +152,7 @@ def check_optimizer(where: str, tx) -> None:
 
     `where` names the argument: "optimizer", or "DiLoCo(outer_optimizer=...)" (the value replaces the "...").
     """
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    if not all(callable(getattr(tx, method, None)) for method in optax.GradientTransformation._fields):
         shown = where.replace("...", repr(tx)) if "..." in where else f"{where} {tx!r}"
         raise ConfigError(f"{shown}: not an optax GradientTransformation (an object with init and update); pass "
                           f"e.g. optax.adamw(1e-3)")
