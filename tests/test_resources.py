@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -37,8 +38,18 @@ def sorting_loss(model, batch):
     return wide[:, 0].mean(), {}
 
 
+def machine_memory(monkeypatch, total: int) -> None:
+    """Makes this machine report `total` bytes of memory: what a CPU device's share is read from (a CPU device
+    reports no limit of its own), so the trainer's whole memory check runs as it would on a smaller machine."""
+    real = os.sysconf
+    page = real("SC_PAGE_SIZE")
+    assert jax.devices()[0].memory_stats() is None and total % page == 0
+    monkeypatch.setattr(os, "sysconf", lambda name: total // page if name == "SC_PHYS_PAGES" else real(name))
+
+
 def test_a_step_whose_temporaries_do_not_fit_is_refused_with_a_batch_that_fits(monkeypatch):
-    monkeypatch.setattr(resources, "device_memory", lambda mesh: 30 * 2**20)
+    machine_memory(monkeypatch, 8 * 30 * 2**20)  # 8 CPU devices share it: 30 MiB each
+    assert resources.device_memory(jaxpar.make_mesh("8")) == 30 * 2**20
     trainer = jaxpar.Trainer(Tiny, sorting_loss, optax.sgd(0.1), jaxpar.make_mesh("8"))
     state = trainer.init(0)
     with pytest.raises(jaxpar.ResourceError, match=r"^step 'sync' needs [\d,]+ bytes per device \(arguments [\d,]+, "
