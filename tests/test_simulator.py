@@ -1,4 +1,4 @@
-"""The host-side parameter-server simulation (DESIGN.md §5): parsing, BSP / ASP / SSP schedules, their limits."""
+"""The host-side parameter-server simulation: parsing, BSP / ASP / SSP schedules, their limits."""
 
 import doctest
 
