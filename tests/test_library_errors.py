@@ -256,8 +256,8 @@ def test_grad_accum_and_batch_size_messages_name_the_argument():
     with raises(ConfigError, r"^grad_accum 3 does not divide the per-replica batch 8 \(global 16 / 2 replicas\); "
                              r"use a divisor of 8$"):
         trainer.step(state, batch_for("mlp", size=16))
-    with raises(DataError, r"^global batch size 31 does not divide by the batch axes \(data x fsdp = 2 devices\); use "
-                           r"a multiple of 2$"):
+    with raises(DataError, r"^global batch size 31 does not divide by the 2 devices the batch is split over \(data x "
+                           r"fsdp\); use a multiple of 2, e.g. 30$"):
         trainer.step(state, batch_for("mlp", size=31))
 
 

@@ -56,8 +56,8 @@ def test_params_are_gathered_numpy():
 
 def test_batch_not_divisible_by_data_axis_is_a_clear_error():
     trainer = trainer_for("mlp", "4x2")
-    with pytest.raises(jaxpar.JaxparError, match=r"global batch size 10 does not divide by the batch axes \(data x "
-                                                 r"fsdp = 4 devices\); use a multiple of 4"):
+    with pytest.raises(jaxpar.JaxparError, match=r"global batch size 10 does not divide by the 4 devices the batch is "
+                                                 r"split over \(data x fsdp\); use a multiple of 4, e.g. 8"):
         trainer.step(trainer.init(0), batch_for("mlp", size=10))
 
 

@@ -1,24 +1,12 @@
-"""The global batch sizes of a run, checked against the devices the batch is split over and --grad-accum; and the
-one message for a batch size that does not divide over those devices."""
+"""The global batch sizes of a run, checked against the devices the batch is split over (`indivisible_batch`'s one
+message) and --grad-accum."""
 
 from __future__ import annotations
 
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.train.batches import indivisible_batch
 from jaxpar.train.schedules import parse_batch_ramp
-
-
-def indivisible_batch(size: int, ways: int, flag: str | None = None, mesh: str | None = None) -> str | None:
-    """The one line for a global batch of `size` rows that does not divide over the `ways` devices of the batch axes
-    (None: it divides). `flag` names the setting (e.g. "--batch-size"; None: "global batch size"), `mesh` the
-    --mesh it was given with."""
-    if size % ways == 0:
-        return None
-    axes = " x ".join(mesh_lib.BATCH_AXES)
-    where = f"{axes} of --mesh {mesh}" if mesh else axes
-    good = max(ways, size // ways * ways)
-    return (f"{flag or 'global batch size'} {size} does not divide by the {ways} devices the batch is split over "
-            f"({where}); use a multiple of {ways}, e.g. {f'{flag} ' if flag else ''}{good}")
 
 
 def batch_sizes(config, ways: int, replicas: int) -> list[int]:

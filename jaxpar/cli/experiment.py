@@ -2,7 +2,7 @@
 run (build), batch sizes (batching), notes (notes), --explain (explaining), processes (processes)."""
 
 import models  # noqa: F401  (tests patch `experiment.models.loss_for`)
-from jaxpar.cli.batching import batch_sizes, indivisible_batch  # noqa: F401
+from jaxpar.cli.batching import batch_sizes  # noqa: F401
 from jaxpar.cli.build import build, datasets, make_optimizer  # noqa: F401
 from jaxpar.cli.explaining import explain_run  # noqa: F401
 from jaxpar.cli.notes import divergence_hint, run_notes  # noqa: F401

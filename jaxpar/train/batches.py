@@ -17,12 +17,17 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 
 
-def divisibility_problem(size: int, ways: int, subject: str = "global batch size") -> str | None:
-    """The one message for a batch that does not split evenly over the batch axes (None: it does)."""
+def indivisible_batch(size: int, ways: int, flag: str | None = None, mesh: str | None = None) -> str | None:
+    """The one line for a global batch of `size` rows that does not divide over the `ways` devices of the batch axes
+    (None: it divides). `flag` names the setting (e.g. "--batch-size"; None: "global batch size"), `mesh` the
+    --mesh it was given with."""
     if size % ways == 0:
         return None
-    return (f"{subject} {size} does not divide by the batch axes ({' x '.join(mesh_lib.BATCH_AXES)} = {ways} "
-            f"devices); use a multiple of {ways}")
+    axes = " x ".join(mesh_lib.BATCH_AXES)
+    where = f"{axes} of --mesh {mesh}" if mesh else axes
+    good = max(ways, size // ways * ways)
+    return (f"{flag or 'global batch size'} {size} does not divide by the {ways} devices the batch is split over "
+            f"({where}); use a multiple of {ways}, e.g. {f'{flag} ' if flag else ''}{good}")
 
 
 class BatchPlacer:
@@ -37,7 +42,7 @@ class BatchPlacer:
     def local_rows(self, global_size: int) -> np.ndarray:
         """The rows of a global batch of `global_size` rows that this process loads (all rows in one process),
         in increasing order: from the batch sharding's addressable indices, so any device order is right."""
-        problem = divisibility_problem(global_size, self.ways)
+        problem = indivisible_batch(global_size, self.ways)
         if problem:
             raise DataError(problem)
         per_block = global_size // self.ways
@@ -83,7 +88,7 @@ class BatchPlacer:
         if size == 0:
             raise DataError(f"batch has 0 rows; a global batch needs a positive multiple of {self.ways} rows "
                             f"({' x '.join(mesh_lib.BATCH_AXES)} = {self.ways} devices)")
-        problem = divisibility_problem(size, self.ways)
+        problem = indivisible_batch(size, self.ways)
         if problem:
             raise DataError(problem)
         return arrays, size
