@@ -21,7 +21,9 @@ import run
 from jaxpar.train import actions
 from jaxpar.io import data
 from jaxpar.cli.config import Config
-from jaxpar.cli.experiment import batch_sizes, run_notes, strategy_config
+from jaxpar.cli.batching import batch_sizes
+from jaxpar.cli.notes import run_notes
+from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.io.metrics import JsonlFile, RunLogger
 from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.cost.simulator import parse_stragglers
@@ -193,11 +195,15 @@ def test_ssp_schedule_length_is_bounded_with_a_one_line_error(capsys):
 
 
 def test_staleness_and_local_after_beyond_the_run_are_capped_for_the_strategy():
+    """The strategies plan max(--steps, 64) steps: the SSP buffer is min(S, max(steps, 64)) + 1 (so a resume that
+    raises --steps within 64 keeps it) and post-local SGD's synchronous phase is cut to that length; the config
+    record keeps the value given."""
     config = Config(model="mlp", strategy="ssp", staleness=20000, steps=5).resolved()
-    assert strategy_config(config).staleness == 64 and config.staleness == 20000  # the record keeps the given value
-    assert strategy_config(config.replace(steps=100)).staleness == 100
-    assert strategy_config(config.replace(staleness=3)).staleness == 3  # as given, whatever --steps (resume)
-    assert strategy_config(Config(strategy="local_sgd", local_after=10 ** 12, steps=7)).local_after == 64
+    assert strategy_from_config(config).buffer_size(4) == 65 and config.staleness == 20000
+    assert strategy_from_config(config.replace(steps=100)).buffer_size(4) == 101
+    assert strategy_from_config(config.replace(staleness=3)).buffer_size(4) == 4  # as given, whatever --steps
+    local = Config(model="mlp", strategy="local_sgd", local_after=10 ** 12, steps=7).resolved()
+    assert strategy_from_config(local).local_after == 64
 
 
 def test_huge_staleness_local_after_and_an_unreachable_ramp_stage_train(tmp_path, capsys):
@@ -354,7 +360,7 @@ def test_progress_output_says_what_is_true(capsys, tmp_path):
                      "--eval-batches", "0"]) == 0
     out = capsys.readouterr().out
     assert "(8 per replica)" in out and "at first" not in out
-    assert "--strategy asp without --stragglers: every replica is equally fast" in out
+    assert "strategy asp without a straggler profile (--stragglers): every replica is equally fast" in out
     assert all("sim_time" not in line for line in out.splitlines() if line.startswith("step "))
     metrics = tmp_path / "m.jsonl"
     assert run.main(["--model", "mlp", "--mesh", "4x2", "--strategy", "asp", "--stragglers", "3:2.0", "--steps", "2",

@@ -9,7 +9,9 @@ import jaxpar
 import models
 import run
 from jaxpar import strategies
-from jaxpar.cli.config import APPLIES_TO, GROUPS, MODEL_DEFAULTS, MODELS, OPTIONS, STRATEGIES, Config, describe
+from jaxpar.cli.config import MODEL_DEFAULTS, OPTIONS, Config
+from jaxpar.cli.help import describe
+from jaxpar.cli.options import APPLIES_TO, GROUPS, MODELS, STRATEGIES
 from jaxpar.cli.flags import FLAGS
 
 CONFIG_FILE_ONLY = {"channels", "rules"}

@@ -122,7 +122,6 @@ def test_the_cli_ends_a_device_failure_in_one_line_with_a_complete_jsonl(tmp_pat
     metrics = tmp_path / "m.jsonl"
     result = run_script(f"""
         import json, models, run
-        import jaxpar.cli.experiment as experiment
 
         calls = []
 
@@ -137,7 +136,7 @@ def test_the_cli_ends_a_device_failure_in_one_line_with_a_complete_jsonl(tmp_pat
                 return models.LOSSES[config.model](model, batch)
             return loss
 
-        experiment.models.loss_for = failing
+        models.loss_for = failing  # the run builds its loss through models.loss_for
         run.cli(["--model", "mlp", "--mesh", "8", "--steps", "50", "--log-every", "1", "--metrics", {str(metrics)!r}])
     """)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -15,7 +15,7 @@ import models
 from jaxpar import strategies
 from jaxpar.cli.batching import batch_sizes, static_batch_sizes
 from jaxpar.cli.config import Config
-from jaxpar.cli.options import BN_LOCAL
+from jaxpar.strategies import BN_LOCAL
 from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError
 from jaxpar.io import data
 from jaxpar.parallel import mesh as mesh_lib

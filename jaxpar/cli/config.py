@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import models
 
-from jaxpar.cli.options import (APPLIES_TO, BN_LOCAL, BN_SYNC, GROUPS, MODEL_OF, MODELS,  # noqa: F401 (re-exported)
-                                STRATEGIES, section, shown)
+from jaxpar.cli.options import GROUPS, MODEL_OF, MODELS, STRATEGIES, section
+from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.values import OPTIMIZERS, parse_decay_steps
 from jaxpar.cost.hardware import PROFILES
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
@@ -146,6 +146,3 @@ MODEL_DEFAULTS: dict[str, dict] = {model: {name: by_model[model] for name, by_mo
 
 # the modules Config's methods hand over to (they import Config: imported last)
 from jaxpar.cli import compat, defaults, records, validation  # noqa: E402
-from jaxpar.cli.files import load_config_file  # noqa: E402,F401
-from jaxpar.cli.help import describe  # noqa: E402,F401
-from jaxpar.cli.paths import same_file  # noqa: E402,F401

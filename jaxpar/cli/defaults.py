@@ -6,7 +6,8 @@ import dataclasses
 
 from jaxpar import strategies as strategies_lib
 from jaxpar.cli.config import OPTIONS, Config
-from jaxpar.cli.options import APPLIES_TO, BN_LOCAL, BN_SYNC, strategy_default
+from jaxpar.cli.options import APPLIES_TO, strategy_default
+from jaxpar.strategies import BN_LOCAL, BN_SYNC
 
 
 def _bn(config: Config) -> str:

@@ -11,7 +11,9 @@ import argparse
 import dataclasses
 from typing import NamedTuple
 
-from jaxpar.cli.config import GROUPS, OPTIONS, Config, describe
+from jaxpar.cli.config import OPTIONS, Config
+from jaxpar.cli.help import describe
+from jaxpar.cli.options import GROUPS
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}  # a bool flag takes no value
 

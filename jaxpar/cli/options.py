@@ -33,7 +33,6 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     for name in dict.fromkeys([*strategies_lib.COMMON_OPTIONS,
                                *(f for cls in strategies_lib.REGISTRY.values() for f in cls.OPTIONS)])}
 
-BN_SYNC, BN_LOCAL = "sync", "local"  # BatchNorm statistics over the global batch | each replica's slice
 FILE_ONLY = ("rules", "channels")  # config-file fields that are no flag
 CONST = {"resume": "auto"}  # the value of a flag given without one (`--resume` = `--resume auto`)
 _DIGITS_MODELS = [m for m, s in models.REGISTRY.items() if s.dataset == models.registry.DIGITS]

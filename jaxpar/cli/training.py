@@ -17,7 +17,7 @@ from jaxpar.cli.build import Built, build
 from jaxpar.cli.config import Config
 from jaxpar.cli.explaining import explain_run
 from jaxpar.cli.notes import divergence_hint, run_notes
-from jaxpar.cli.options import BN_LOCAL, BN_SYNC
+from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.processes import join_processes
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data

@@ -9,7 +9,8 @@ from jaxpar import strategies as strategies_lib
 from jaxpar.checks import is_int
 from jaxpar.cli.config import OPTIONS, Config
 from jaxpar.cli.defaults import applies
-from jaxpar.cli.options import APPLIES_TO, BN_SYNC, PRIMARY, shown
+from jaxpar.cli.options import APPLIES_TO, PRIMARY, shown
+from jaxpar.strategies import BN_SYNC
 from jaxpar.cli.paths import is_or_inside
 from jaxpar.cli.values import finite_check
 from jaxpar.errors import ConfigError

@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 from jaxpar.checks import int_problem, is_int
 from jaxpar.cli import paths
-from jaxpar.cli.options import APPLIES_TO, BN_LOCAL, BN_SYNC, MODELS, STRATEGIES, strategy_default
+from jaxpar.cli.options import APPLIES_TO, MODELS, STRATEGIES, strategy_default
+from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cost.hardware import parse_hardware
 from jaxpar.cost.simulator import parse_stragglers
 from jaxpar.errors import ConfigError

@@ -5,12 +5,12 @@ Each strategy class declares its own facts once: `OPTIONS` (the config fields sp
 BatchNorm statistics are per replica). Config, the CLI and experiment read these and never decide them again.
 """
 
-from jaxpar.strategies.base import Expected, Plan, StepContext, Strategy, Variant
+from jaxpar.strategies.base import BN_LOCAL, BN_SYNC, Expected, Plan, StepContext, Strategy, Variant
 from jaxpar.strategies.local_sgd import DiLoCo, LocalSGD
 from jaxpar.strategies.stale import ASP, SSP
 from jaxpar.strategies.sync import Sync
 
-__all__ = ["ASP", "SSP", "DiLoCo", "LocalSGD", "Expected", "Plan", "StepContext", "Strategy", "Sync", "Variant", "REGISTRY",
+__all__ = ["BN_LOCAL", "BN_SYNC", "ASP", "SSP", "DiLoCo", "LocalSGD", "Expected", "Plan", "StepContext", "Strategy", "Sync", "Variant", "REGISTRY",
            "COMMON_OPTIONS", "from_config", "option_default"]
 
 REGISTRY = {cls.name: cls for cls in (Sync, LocalSGD, DiLoCo, SSP, ASP)}

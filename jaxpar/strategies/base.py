@@ -45,6 +45,11 @@ from jaxpar.parallel.collectives import Communicator
 from jaxpar.train.step import LossFn, TrainState
 
 
+# BatchNorm statistics: over the global batch, or each replica's slice (`Strategy.local_statistics` decides which a
+# strategy's steps can give; the CLI's --bn values)
+BN_SYNC, BN_LOCAL = "sync", "local"
+
+
 class StepContext(NamedTuple):
     """What a strategy may use to build its step: all static, all decided by the trainer."""
 

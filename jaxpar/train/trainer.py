@@ -259,7 +259,6 @@ class Trainer:
             state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
         except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
             raise device_error(error, step_number) from None
-        self._count_compilation(signature)
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
@@ -301,6 +300,7 @@ class Trainer:
             compiled = self._steps[plan.variant].lower(state, placed, plan.inputs).compile()
         except jax.errors.JaxRuntimeError as error:
             raise device_error(error, step_number) from None
+        self._count_compilation(signature)
         self._price(plan.variant, compiled)
         check_step_memory(compiled, self.mesh, plan.variant, rows, self.batch_divisor, self.state_bytes_per_device())
         flops = step_flops(compiled)
