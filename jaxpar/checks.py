@@ -23,7 +23,7 @@ def int_problem(value, low: int, high: int | None = None, why: str = "") -> str 
     if high is None:
         bound = f"an integer >= {low}"
     else:  # a large power of two reads as one: [0, 2**32)
-        shown = f"2**{high.bit_length() - 1}" if high >= 2**16 and high & (high - 1) == 0 else str(high)
+        shown = f"2**{high.bit_length() - 1}" if high >= 2**31 and high & (high - 1) == 0 else str(high)
         bound = f"an integer in [{low}, {shown})"
     return f"must be {bound}{f' ({why})' if why else ''}"
 

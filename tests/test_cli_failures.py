@@ -380,3 +380,13 @@ def test_a_batch_ramp_recompile_is_labelled_in_the_record_that_pays_for_it(capsy
     assert [r.get("includes_compilation", False) for r in records] == [True, False, True, False]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert ["(includes compilation)" in line for line in lines] == [True, False, True, False]
+
+
+def test_a_staleness_beyond_the_run_is_noted_with_the_buffer_the_strategy_keeps():
+    """The note states the version buffer the strategy really allocates: it plans max(--steps, 64) updates, so
+    --staleness 100 on a 10-step run keeps 65 versions, and on a 80-step run 81."""
+    notes = run_notes(Config(model="mlp", strategy="ssp", staleness=100, steps=10).resolved())
+    assert any(n.startswith("--staleness 100 is larger than --steps 10") and n.endswith("(the version buffer holds "
+                                                                                         "65)") for n in notes), notes
+    notes = run_notes(Config(model="mlp", strategy="ssp", staleness=100, steps=80).resolved())
+    assert any(n.endswith("(the version buffer holds 81)") for n in notes), notes

@@ -384,7 +384,8 @@ def test_every_strategy_returns_the_same_metric_keys_as_scalars(strategy):
     for step in range(2):  # local SGD: a local step, then a meeting
         state, metrics = trainer.step(state, batch_for("mlp", size=16, seed=step), step)
         for key in ("loss", "accuracy", "skipped"):
-            assert np.ndim(metrics[key]) == 0 and np.isfinite(float(metrics[key])), (key, metrics[key])
+            value = metrics[key]
+            assert value.shape == () and np.isfinite(value.item()) and np.isfinite(float(value)), (key, value)
         per_replica = {k for k in metrics if k.endswith("_per_replica")}
         if strategy.name in ("local_sgd", "diloco"):
             assert {"loss_per_replica", "accuracy_per_replica"} <= per_replica

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.train.batches import indivisible_batch
+from jaxpar.train.batches import indivisible_accum, indivisible_batch
 from jaxpar.train.schedules import parse_batch_ramp
 
 
@@ -22,9 +22,9 @@ def batch_sizes(config, ways: int, replicas: int) -> list[int]:
         problem = indivisible_batch(size, ways, flag, config.mesh)
         if problem:
             raise ConfigError(problem)
-        if (size // replicas) % config.grad_accum:
-            raise ConfigError(f"--grad-accum {config.grad_accum} does not divide the per-replica batch "
-                              f"{size // replicas} ({flag} {size} / {replicas} replicas)")
+        problem = indivisible_accum(size, replicas, config.grad_accum, flag)
+        if problem:
+            raise ConfigError(problem)
     return sizes
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from jaxpar import strategies
 from jaxpar.cli.config import Config
 from jaxpar.cli.defaults import given
 from jaxpar.train.schedules import parse_batch_ramp
@@ -23,8 +24,9 @@ def run_notes(config: Config) -> list[str]:
         notes.append(f"--local-after {config.local_after} is larger than --steps {steps}: the whole run is "
                      f"synchronous")
     if given(config, "staleness") and config.staleness > steps:
+        buffer = strategies.from_config(config).bounded_buffer  # the strategy plans at least --steps updates
         notes.append(f"--staleness {config.staleness} is larger than --steps {steps}: no gradient can be that stale, "
-                     f"so no update ever waits for a slow replica (the version buffer holds {steps + 1})")
+                     f"so no update ever waits for a slow replica (the version buffer holds {buffer})")
     if config.eval_every > steps:
         notes.append(f"--eval-every {config.eval_every} is larger than --steps {steps}: evaluation only at the end")
     if config.log_every > steps and given(config, "log_every"):

@@ -21,7 +21,7 @@ from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.processes import join_processes
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
-from jaxpar.io.metrics import JsonlFile, RunLogger, TensorBoardFile, records_before
+from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, TensorBoardFile, records_before
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.runtime import distributed
 from jaxpar.runtime.preemption import StopRequest
@@ -190,7 +190,7 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
             event.metrics.update(lr=float(schedule(event.step - 1)), batch_size=float(batch))
 
     def on_eval(step, results):
-        logger.write({"step": step, **{"eval_" + k: v for k, v in results.items()}})
+        logger.write({"step": step, **{EVAL_PREFIX + k: v for k, v in results.items()}})
         say(f"held-out at step {step}: " + "  ".join(f"{k} {v:.4g}" for k, v in results.items()))
 
     evaluation = actions.Evaluate(lambda tr, st: evaluate(tr, st, built.held_out, built.largest, config),
@@ -236,7 +236,7 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
     held = evaluation.history[-1][1] if evaluation.history else {}
     summary = {"final_" + k: v for k, v in last.items()}
     summary.update(steps=config.steps - start, seconds=seconds, steps_per_sec=(config.steps - start) / seconds)
-    summary.update({"eval_" + k: v for k, v in held.items()})
+    summary.update({EVAL_PREFIX + k: v for k, v in held.items()})
     return summary
 
 

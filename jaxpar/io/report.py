@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 
+from jaxpar.io.metrics import EVAL_PREFIX
 from jaxpar.errors import DataError
 
 
@@ -52,7 +53,7 @@ class Run:
                 self.stopped = record["stopped"]
             elif "step" in record and "loss" in record:
                 self.steps.append(record)
-            elif "step" in record and any(k.startswith("eval_") for k in record):
+            elif "step" in record and any(k.startswith(EVAL_PREFIX) for k in record):
                 self.evals.append(record)
             elif "step" not in record and not self.config:
                 self.config = record

@@ -90,13 +90,21 @@ class SSP(StrategyBase):
             known = self.clock.schedule(num_replicas, length)
         return known
 
+    @property
+    def bounded_buffer(self) -> int | None:
+        """B under a staleness bound: min(S, horizon) + 1, since staleness never exceeds the number of updates
+        planned (SSP(20000) planned for 64 updates keeps 65 versions); None for ASP, whose B comes from its
+        schedule."""
+        return None if self.bound is None else min(self.bound, self.horizon) + 1
+
     def buffer_size(self, num_replicas: int) -> int:
-        """B: S + 1 for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
+        """B: `bounded_buffer` for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
         if num_replicas not in self._buffers:
-            horizon = self.schedule(num_replicas, self.horizon)[:self.horizon]
-            # staleness never exceeds the number of updates planned, so SSP(20000) on a 5-step run keeps 6 versions
-            self._buffers[num_replicas] = min(self.bound, self.horizon) + 1 if self.bound is not None else int(
-                max(u.staleness.max() for u in horizon)) + 1
+            if self.bound is not None:
+                self._buffers[num_replicas] = self.bounded_buffer
+            else:
+                horizon = self.schedule(num_replicas, self.horizon)[:self.horizon]
+                self._buffers[num_replicas] = int(max(u.staleness.max() for u in horizon)) + 1
         return self._buffers[num_replicas]
 
     def variant_shares(self) -> dict:

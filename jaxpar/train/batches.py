@@ -30,6 +30,18 @@ def indivisible_batch(size: int, ways: int, flag: str | None = None, mesh: str |
             f"({where}); use a multiple of {ways}, e.g. {f'{flag} ' if flag else ''}{good}")
 
 
+def indivisible_accum(size: int, replicas: int, accum: int, flag: str | None = None) -> str | None:
+    """The one line for gradient accumulation whose microbatch count does not divide each replica's share of a
+    global batch of `size` rows (None: it divides). `flag` names the batch setting ("--batch-size"; None: the
+    library's `grad_accum` and "global")."""
+    per_replica = size // replicas
+    if per_replica % accum == 0:
+        return None
+    name = "--grad-accum" if flag else "grad_accum"
+    return (f"{name} {accum} does not divide the per-replica batch {per_replica} ({flag or 'global'} {size} / "
+            f"{replicas} replicas); use a divisor of {per_replica}")
+
+
 class BatchPlacer:
     """Checks and places global batches for one mesh (the batch sharding is `shd.batch_sharding(mesh)`)."""
 

@@ -20,19 +20,26 @@ from jaxpar.train.actions import Action, OnStep, StepEvent
 PER_REPLICA_SUFFIX = "_per_replica"
 
 
+def replica_means(metrics: Mapping) -> dict:
+    """The metrics of a step that kept one value per replica (`[R]` arrays left on their devices, so that nothing
+    crossed the replica axis), read to the host: each as its replica mean (a numpy array of the shape every other
+    strategy gives, a scalar for `loss`) and whole under `<name>_per_replica`. Host metrics pass unchanged."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, jax.Array) and value.ndim:
+            stacked = np.asarray(jax.device_get(value))
+            out[key] = np.asarray(np.mean(stacked, axis=0))
+            out[key + PER_REPLICA_SUFFIX] = stacked
+        else:
+            out[key] = value
+    return out
+
+
 def host_metrics(metrics: Mapping, per_replica: bool) -> dict:
     """A step's metrics on the host, the same keys and shapes for every strategy: scalars as floats, array metrics
-    as numpy arrays. Metrics of a step that kept one value per replica (`per_replica`: `[R]` arrays, left on their
-    devices so that nothing crossed the replica axis) are reported as their replica mean, and each also whole
-    under `<name>_per_replica`."""
-    host = jax.device_get(dict(metrics))
-    out = {}
-    for key, value in host.items():
-        if per_replica and np.ndim(value):
-            out[key + PER_REPLICA_SUFFIX] = np.asarray(value)
-            value = np.mean(value, axis=0)
-        out[key] = float(value) if np.ndim(value) == 0 else np.asarray(value)
-    return out
+    as numpy arrays (per-replica ones as their mean, and whole under `<name>_per_replica`: `replica_means`)."""
+    host = jax.device_get(dict(replica_means(metrics) if per_replica else metrics))
+    return {key: float(value) if np.ndim(value) == 0 else np.asarray(value) for key, value in host.items()}
 
 
 def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),

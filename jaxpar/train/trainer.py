@@ -35,7 +35,7 @@ from jaxpar.runtime.resources import check_fits, check_step_memory, device_error
 from jaxpar.strategies import Strategy, Sync
 from jaxpar.train import loop
 from jaxpar.train.actions import Action
-from jaxpar.train.batches import BatchPlacer
+from jaxpar.train.batches import BatchPlacer, indivisible_accum
 from jaxpar.train.setup import check_arguments, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
@@ -225,10 +225,10 @@ class Trainer:
         """One update; `state` is donated (do not reuse it).
 
         Metrics have the same keys and shapes under every strategy: `loss` and the loss function's metrics as
-        scalars. A step whose replicas sent each other nothing (local SGD / DiLoCo's local and meeting steps, in
-        one process) keeps one value per replica on the devices; `step` then returns their mean, read to the host,
-        and each per-replica array under `<name>_per_replica` ([R]). Other steps' metrics stay on device until
-        read.
+        scalars (0-d arrays). A step whose replicas sent each other nothing (local SGD / DiLoCo's local and
+        meeting steps, in one process) keeps one value per replica on the devices; `step` then returns their mean,
+        read to the host (0-d numpy arrays), and each per-replica array under `<name>_per_replica` ([R]). Other
+        steps' metrics stay on device until read.
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
         `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`),
@@ -237,17 +237,16 @@ class Trainer:
         backend gives one).
         """
         state, metrics, per_replica = self.dispatch(state, batch, step_number)
-        return state, (loop.host_metrics(metrics, True) if per_replica else metrics)
+        return state, (loop.replica_means(metrics) if per_replica else metrics)
 
     def dispatch(self, state: TrainState, batch, step_number: int | None = None) -> tuple[TrainState, dict, bool]:
         """`step` without reading anything back: (state, metrics as the step left them, whether they are per
         replica). `fit` uses it to keep the device busy while it reads the previous step's metrics."""
         self.check_state(state)
         batch, rows = self.batches.check(batch)
-        per_replica = rows // self.num_replicas
-        if per_replica % self.grad_accum:
-            raise ConfigError(f"grad_accum {self.grad_accum} does not divide the per-replica batch {per_replica} "
-                              f"(global {rows} / {self.num_replicas} replicas); use a divisor of {per_replica}")
+        problem = indivisible_accum(rows, self.num_replicas, self.grad_accum)
+        if problem:
+            raise ConfigError(problem)
         if step_number is None:
             step_number = int(jax.device_get(state.step))
         plan = self.strategy.plan(self.ctx, step_number)

@@ -47,7 +47,8 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
                                                           sharding=placement(n, d["shape"], flat, wanted, index,
                                                                              trainer.mesh))
                                   for n, d in saved.items()})
-    written_by = REGISTRY.get(meta.get("strategy"))
+    # the strategy that wrote it reduces it: this trainer's own (a strategy of the user's too), or a built-in one
+    written_by = type(trainer.strategy) if same_strategy else REGISTRY.get(meta.get("strategy"))
     nested, problems = nest(raw, type(neutral))
     if written_by is not None:
         try:
