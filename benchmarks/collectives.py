@@ -1,4 +1,4 @@
-"""The allreduce algorithms of `jaxpar.collectives` inside the real train step: collectives XLA emitted vs theory,
+"""The allreduce algorithms of `jaxpar.parallel.collectives` inside the real train step: collectives XLA emitted vs theory,
 and step time, on the 8-device data axis (mesh "8", i.e. 8 x 1).
 
     python -m benchmarks.collectives                              # transformer (default config, dropout 0)

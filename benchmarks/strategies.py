@@ -27,7 +27,7 @@ Every strategy trains the full `--max-steps` updates (`jaxpar.Trainer.fit`). The
 "reached" uses the 10-step trailing mean of the training loss. The target is `--target-loss` or, by default, the
 lowest 10-step mean the sync run reaches within the first half of its steps (rounded up to 3 decimals).
 
-Simulated seconds: each step variant is compiled, and priced by `jaxpar.hardware` (its FLOPs per device / the
+Simulated seconds: each step variant is compiled, and priced by `jaxpar.cost.hardware` (its FLOPs per device / the
 profile's peak, plus the alpha-beta cost of the collectives its HLO contains on the links of the axes they span);
 the one event simulator (`jaxpar.cost.simulator.simulate`) turns those prices and the straggler profile into
 the clock, exactly as `Trainer(hardware=...)` / `run.py --hardware` does. It is a projection onto the profile's

@@ -27,8 +27,7 @@ from jaxpar.strategies import from_config as strategy_from_config
 from jaxpar.io.metrics import JsonlFile, RunLogger
 from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.cost.simulator import parse_stragglers
-from jaxpar.strategies.common import bsp_clock, bsp_times
-from tests.helpers import child_env
+from tests.helpers import clock_times, child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = ["--model", "mlp", "--mesh", "8"]
@@ -171,21 +170,19 @@ def test_the_simulated_clock_matches_a_clock_computed_by_hand_and_is_lazy():
     # 3 replicas, replica 1 twice as slow (compute 1, 2, 1 per step), unit compute, free communication.
     stragglers = parse_stragglers("1:2.0")
     # Period 1 (sync SGD): every step waits for replica 1, so the clock after step k is 2k.
-    assert bsp_times(stragglers, 3, 5).tolist() == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert clock_times(jaxpar.Sync(stragglers=stragglers), 3, 5) == [2.0, 4.0, 6.0, 8.0, 10.0]
     # Period 3 (local SGD): in a round the replicas' clocks after each local step are (1, 2, 1), (2, 4, 2), (3, 6, 3).
     # Local steps report the mean: 4/3, 8/3; the meeting waits for the slowest: 6. The next round starts at 6:
     # (7, 8, 7) -> 22/3, (8, 10, 8) -> 26/3, meeting at 6 + 6 = 12.
-    np.testing.assert_allclose(bsp_times(stragglers, 3, 6, period=3), [4 / 3, 8 / 3, 6.0, 22 / 3, 26 / 3, 12.0],
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(clock_times(jaxpar.LocalSGD(period=3, stragglers=stragglers), 3, 6),
+                               [4 / 3, 8 / 3, 6.0, 22 / 3, 26 / 3, 12.0], rtol=0, atol=1e-12)
     # Post-local SGD: 2 sync steps (2, 4), then rounds of 3 from t = 4: means of (5, 6, 5) and (6, 8, 6), meeting at 10.
-    clock = bsp_clock(stragglers, 3, period=3, sync_steps=2)
-    np.testing.assert_allclose([next(clock) for _ in range(5)], [2.0, 4.0, 16 / 3, 20 / 3, 10.0], rtol=0, atol=1e-12)
+    post_local = jaxpar.LocalSGD(period=3, local_after=2, stragglers=stragglers)
+    np.testing.assert_allclose(clock_times(post_local, 3, 5), [2.0, 4.0, 16 / 3, 20 / 3, 10.0], rtol=0, atol=1e-12)
     # Lazy: a run that never leaves its sync steps is produced step by step; its 100,000th step is at 2 x 100,000.
     started = time.perf_counter()
-    endless = bsp_clock(stragglers, 3, period=3, sync_steps=10 ** 12)
-    for _ in range(99_999):
-        next(endless)
-    assert next(endless) == 200_000.0 and time.perf_counter() - started < 20
+    endless = jaxpar.LocalSGD(period=3, local_after=10 ** 12, stragglers=stragglers).clock
+    assert endless.time_after(3, 99_999) == 200_000.0 and time.perf_counter() - started < 20
 
 
 def test_ssp_schedule_length_is_bounded_with_a_one_line_error(capsys):

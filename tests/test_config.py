@@ -213,12 +213,26 @@ def test_checks_are_one_line_config_errors(changes, message):
     assert message in str(raised.value) and "\n" not in str(raised.value)
 
 
-@pytest.mark.parametrize("rules", [
-    None, {"mlp": "model", "embed": None}, {"embed": ("data", "fsdp")},
-    [("mlp", "model"), ("embed", "fsdp"), ("embed", None)], [["heads", ["fsdp", "model"]]], (("vocab", "model"),),
+@pytest.mark.parametrize("rules, pairs", [
+    (None, None),
+    ({"mlp": "model", "embed": None}, (("mlp", ("model",)), ("embed", ()))),
+    ({"embed": ("data", "fsdp")}, (("embed", ("data", "fsdp")),)),
+    ([("mlp", "model"), ("embed", "fsdp"), ("embed", None)], (("mlp", ("model",)), ("embed", ("fsdp",)), ("embed", ()))),
+    ([["heads", ["fsdp", "model"]]], (("heads", ("fsdp", "model")),)),
+    ((("vocab", "model"),), (("vocab", ("model",)),)),
 ])
-def test_rules_dict_or_flax_list_of_pairs_is_accepted(rules):
-    Config(rules=rules).validate()
+def test_rules_dict_or_flax_list_of_pairs_is_accepted(rules, pairs):
+    """Both forms validate, are kept as given, survive the config record (a checkpoint's) and mean the same ordered
+    (logical name, mesh axes) pairs to the partitioner."""
+    from jaxpar.parallel.partitioning import normalize_rules
+
+    config = Config(rules=rules).validate()
+    assert config.rules == rules
+    restored = Config.from_record(config.to_record()).rules
+    if pairs is None:
+        assert restored is None
+    else:
+        assert normalize_rules(rules) == normalize_rules(restored) == pairs
 
 
 def test_parse_gives_a_validated_resolved_config():

@@ -14,7 +14,7 @@ from jaxpar.cost.hardware import PROFILES, Link, StepCost, collective_seconds, p
 from jaxpar.cost.hlo import Collective, collective_ops
 from jaxpar.runtime.resources import step_flops
 from jaxpar.cost.simulator import parse_stragglers, simulate
-from jaxpar.strategies.common import bsp_times, meeting_rounds
+from jaxpar.strategies.common import meeting_rounds
 from tests.helpers import batch_for, trainer_for
 
 AXES = ("data", "fsdp", "model")
@@ -291,9 +291,7 @@ def test_without_a_profile_sim_time_counts_steps(strategy):
 
 def test_without_a_profile_a_straggler_sets_the_sync_clock():
     trainer = trainer_for("mlp", "4x2", strategy=jaxpar.Sync(stragglers="3:2.0"))
-    expected = bsp_times(parse_stragglers("3:2.0"), 4, 6).tolist()
-    assert expected == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
-    assert sim_times(trainer, 6) == expected
+    assert sim_times(trainer, 6) == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]  # each step waits for replica 3, 2x slower
 
 
 def test_with_a_profile_sync_sim_time_adds_up_the_compiled_step_cost():

@@ -154,8 +154,14 @@ def test_model_factory_and_optimizer_arguments():
         jaxpar.Trainer(factory, loss, optax.adam, mesh)  # the function, not called
     with raises(ConfigError, r"^DiLoCo\(outer_optimizer='sgd'\): not an optax GradientTransformation"):
         jaxpar.DiLoCo(outer_optimizer="sgd")
-    with raises(ConfigError, r"^strategy 'local_sgd': not a strategy; pass e.g. jaxpar.Sync\(\)"):
+    with raises(ConfigError, r"^strategy 'local_sgd': not a strategy \(it lacks init, reduce, shardings, steps, plan, "
+                             r"variant_shares, name, communicator, clock; .*\); pass e.g. jaxpar.Sync\(\)"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), mesh, strategy="local_sgd")
+
+    no_clock = jaxpar.Sync()  # a strategy that lacks one member is told which
+    del no_clock.clock
+    with raises(ConfigError, r"^strategy .*: not a strategy \(it lacks clock; "):
+        jaxpar.Trainer(factory, loss, optax.sgd(0.1), mesh, strategy=no_clock)
 
 
 def test_bad_batches(mlp):

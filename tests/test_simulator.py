@@ -5,10 +5,11 @@ import doctest
 import numpy as np
 import pytest
 
+import jaxpar
+from tests.helpers import clock_times
 from jaxpar.errors import ConfigError, cli_message
 from jaxpar.cost import simulator
 from jaxpar.cost.simulator import Stragglers, compute_times, parse_stragglers, simulate_ps
-from jaxpar.strategies.common import bsp_times
 
 
 def times(updates):
@@ -80,7 +81,7 @@ def test_bad_staleness_bound(bound):
 
 def test_bad_sizes():
     for call in (lambda: simulate_ps(Stragglers(), 0, 0, 3), lambda: simulate_ps(Stragglers(), 2, 0, -1),
-                 lambda: bsp_times(Stragglers(), 2, 3, period=0)):
+                 lambda: jaxpar.LocalSGD(period=0)):
         with pytest.raises(ConfigError):
             call()
 
@@ -193,20 +194,21 @@ def test_larger_bound_can_be_later_per_update():
     assert ssp[-1] > bsp[-1]  # two heavy draws that overlap under BSP are paid one after the other under SSP(1)
 
 
-def test_bsp_times_hand_computed():
+def test_meeting_clocks_hand_computed():
+    """The clocks sync SGD and local SGD really run on (`strategy.clock`), against hand-computed times."""
     profile = parse_stragglers("1:2.0")  # rows are [1, 2]
-    assert bsp_times(profile, 2, 3).tolist() == [2.0, 4.0, 6.0]
+    assert clock_times(jaxpar.Sync(stragglers=profile), 2, 3) == [2.0, 4.0, 6.0]
     # period 2: step 0 no meeting -> mean(1, 2); step 1 meets at max(2, 4); step 2 mean(5, 6); step 3 max(6, 8)
-    assert bsp_times(profile, 2, 4, period=2).tolist() == [1.5, 4.0, 5.5, 8.0]
-    assert bsp_times(profile, 2, 0).shape == (0,)
+    assert clock_times(jaxpar.LocalSGD(period=2, stragglers=profile), 2, 4) == [1.5, 4.0, 5.5, 8.0]
     jittered = parse_stragglers("jitter=0.5,seed=1")
     c = compute_times(jittered, 2, 4)
-    np.testing.assert_allclose(bsp_times(jittered, 2, 4), np.cumsum(c.max(axis=1)))
+    sync = clock_times(jaxpar.Sync(stragglers=jittered), 2, 4)
+    np.testing.assert_allclose(sync, np.cumsum(c.max(axis=1)))
     meet = (c[0] + c[1]).max()
-    np.testing.assert_allclose(bsp_times(jittered, 2, 4, period=2),
-                               [c[0].mean(), meet, (meet + c[2]).mean(), meet + (c[2] + c[3]).max()])
+    local = clock_times(jaxpar.LocalSGD(period=2, stragglers=jittered), 2, 4)
+    np.testing.assert_allclose(local, [c[0].mean(), meet, (meet + c[2]).mean(), meet + (c[2] + c[3]).max()])
     # a meeting waits for the max of sums, never longer than sync SGD's sum of per-step maxes
-    assert bsp_times(jittered, 2, 4, period=2)[3] <= bsp_times(jittered, 2, 4)[3]
+    assert local[3] <= sync[3]
 
 
 def test_deterministic_from_seed():

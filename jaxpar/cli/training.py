@@ -21,7 +21,8 @@ from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.processes import join_processes
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
-from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, TensorBoardFile, records_before
+from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, records_before
+from jaxpar.io.tensorboard import TensorBoardFile
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.runtime import distributed
 from jaxpar.runtime.preemption import StopRequest
@@ -47,7 +48,7 @@ def train(config: Config) -> dict:
     if config.explain:
         return explain_run(config, built)
     checkpoints, created = _open_checkpoints(config)
-    # SIGTERM / Ctrl-C from here to the end of the last save: save a checkpoint and stop (see jaxpar.preemption)
+    # SIGTERM / Ctrl-C from here to the end of the last save: save a checkpoint and stop (see jaxpar.runtime.preemption)
     # (several processes: always, since SIGTERM belongs to JAX's preemption notifier there and must stop every process
     # after the same step, with or without a checkpoint)
     agreed = checkpoints is not None or jax.process_count() > 1

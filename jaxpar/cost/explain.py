@@ -10,8 +10,10 @@ allocated, nothing trains):
   to what theory says the strategy and mesh should send, and a flag on anything theory does not explain;
 - FLOPs per step (XLA's cost analysis) and the model FLOPs per token (6 x parameters, the usual forward + backward
   estimate) where the batch holds tokens;
-- with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.hardware`), and a
+- with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.cost.hardware`), and a
   projected mean step time for every strategy, marked as a projection.
+
+Why about 340 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
 """
 from __future__ import annotations
 

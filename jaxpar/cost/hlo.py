@@ -2,7 +2,7 @@
 
 Theory (`jaxpar.parallel.collectives.theoretical_traffic`) says what an algorithm should send; this module reads what XLA
 emitted after its own passes (combining, async conversion, dtype promotion), so the two can be compared, priced by
-the cost model (`jaxpar.hardware`) and shown by `jaxpar.explain`.
+the cost model (`jaxpar.cost.hardware`) and shown by `jaxpar.explain`.
 
 Each collective is one `Collective`: its kind, its result bytes per device, the size of its device groups and the
 mesh axes those groups span. In an SPMD program device id i is partition i, i.e. `mesh.devices.flat[i]`.

@@ -1,9 +1,12 @@
 """Every partitioning decision: logical axis names -> mesh axes -> `NamedSharding`.
 
+Why about 310 lines: every PartitionSpec and NamedSharding of the project is built here on purpose (one owner), so
+the rules, FSDP placement, batch, per-replica, gathered and restore layouts sit side by side.
+
 Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`); rules map each
 logical name to a mesh axis (or None = replicated). Rules come in two forms:
 
-- a dict `{"mlp": TENSOR_AXIS, "embed": FSDP_AXIS}` (axis names from jaxpar.mesh): one mesh axis per name; two dimensions of one parameter on the same
+- a dict `{"mlp": TENSOR_AXIS, "embed": FSDP_AXIS}` (axis names from jaxpar.parallel.mesh): one mesh axis per name; two dimensions of one parameter on the same
   mesh axis is a `ShardingError`;
 - Flax's list of pairs `[("mlp", TENSOR_AXIS), ("embed", FSDP_AXIS), ("embed", None)]` (`logical_axis_rules`),
   with Flax's meaning: for each dimension the first rule for its name whose mesh axes the array does not already use

@@ -2,7 +2,7 @@
 
 Each strategy class declares its own facts once: `OPTIONS` (the config fields specific to it and their defaults;
 `COMMON_OPTIONS` apply to every strategy) and `local_statistics` (replicas compute on their own slice, so
-BatchNorm statistics are per replica). Config, the CLI and experiment read these and never decide them again.
+BatchNorm statistics are per replica). Config and the CLI read these and never decide them again.
 """
 
 from jaxpar.strategies.base import BN_LOCAL, BN_SYNC, Expected, Plan, StepContext, Strategy, Variant

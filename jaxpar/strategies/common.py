@@ -6,8 +6,6 @@ from __future__ import annotations
 import array
 import itertools
 
-import numpy as np
-
 from jaxpar.checks import check_int
 from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
 from jaxpar.errors import ConfigError
@@ -143,23 +141,3 @@ def meeting_rounds(period: int = 1, sync_steps: int = 0):
     check_int("sync_steps", sync_steps, 0)
     local = ("local",) * (period - 1) + ("meet",) if period > 1 else ("meet",)
     return lambda update: ("sync",) if update < sync_steps else local
-
-
-def bsp_clock(stragglers: Stragglers, num_replicas: int, period: int = 1, sync_steps: int = 0):
-    """The simulated clock after each step, lazily and forever, for replicas that meet on a fixed schedule
-    (`meeting_rounds`), unit compute and free communication: memory stays O(replicas) whatever the step count."""
-    return (u.sim_time for u in simulate(stragglers, num_replicas, 0, meeting_rounds(period, sync_steps)))
-
-
-def bsp_times(stragglers: Stragglers, num_replicas: int, num_steps: int, period: int = 1) -> np.ndarray:
-    """[num_steps] simulated clock after each step when replicas meet every `period` steps (`bsp_clock`).
-
-    Sync SGD (period 1) pays the slowest replica every step. Local SGD (period H) lets each replica run its H steps
-    at its own pace and pays the wait only at the meeting: clock = last meeting + max over replicas of their time
-    since it. Between meetings there is no common clock, so those steps report the mean of the replicas' clocks.
-    """
-    check_int("num_replicas (the data-axis size)", num_replicas, 1)
-    check_int("num_steps", num_steps, 0)
-    check_int("period (steps between replica meetings)", period, 1)
-    return np.fromiter(itertools.islice(bsp_clock(stragglers, num_replicas, period), num_steps), np.float64,
-                       num_steps)

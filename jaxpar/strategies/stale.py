@@ -100,6 +100,7 @@ class SSP(StrategyBase):
     def buffer_size(self, num_replicas: int) -> int:
         """B: `bounded_buffer` for SSP; for ASP the largest staleness within the first `horizon` updates + 1."""
         if num_replicas not in self._buffers:
+            check_update_count(self.horizon)  # the schedule is simulated up front: refused before anything runs
             if self.bound is not None:
                 self._buffers[num_replicas] = self.bounded_buffer
             else:

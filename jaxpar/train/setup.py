@@ -16,6 +16,10 @@ from jaxpar.strategies import StepContext
 from jaxpar.train.step import TrainState, check_optimizer, split_model
 
 
+# the strategy methods a Trainer calls (explain and the CLI ask for more: see jaxpar.strategies.base.Strategy)
+TRAINER_NEEDS = ("init", "reduce", "shardings", "steps", "plan", "variant_shares")
+
+
 def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite) -> None:
     """Each bad Trainer argument as one `JaxparError` naming it."""
     mesh_lib.check_mesh(mesh)
@@ -28,10 +32,13 @@ def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, gra
                              f"(scalar loss, dict of metrics)")
     check_optimizer("optimizer", optimizer)
     check_int("grad_accum", grad_accum, 1, "microbatches per update")
-    if strategy is not None and not all(callable(getattr(strategy, m, None))
-                                        for m in ("init", "reduce", "shardings", "steps", "plan")):
-        raise ConfigError(f"strategy {strategy!r}: not a strategy; pass e.g. jaxpar.Sync(), "
-                          f"jaxpar.LocalSGD(period=4) or jaxpar.SSP(staleness=2)")
+    if strategy is not None:
+        missing = [m for m in TRAINER_NEEDS if not callable(getattr(strategy, m, None))] + [
+            a for a in ("name", "communicator", "clock") if not hasattr(strategy, a)]
+        if missing:
+            raise ConfigError(f"strategy {strategy!r}: not a strategy (it lacks {', '.join(missing)}; see "
+                              f"jaxpar.strategies.base.Strategy); pass e.g. jaxpar.Sync(), jaxpar.LocalSGD(period=4) "
+                              f"or jaxpar.SSP(staleness=2), or subclass jaxpar.strategies.common.StrategyBase")
     if not isinstance(skip_nonfinite, bool):
         raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
                           f"not finite) or False (apply it)")

@@ -11,6 +11,10 @@
 Parameters and optimizer state are created already sharded: the model is built abstractly (`nnx.eval_shape`), its
 logical axis names are mapped to `NamedSharding`s, and the real values are created inside
 `jax.jit(init, out_shardings=...)`, so no device ever holds a whole sharded parameter.
+
+Why about 360 lines: the Trainer is the one object users hold, and it keeps together what acts on its jitted step
+variants (dispatch, the first compilation's memory check and pricing, ahead-of-time compilation). Its argument
+checks and state plan (`setup.py`), batch placement (`batches.py`) and the fit loop (`loop.py`) live apart.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ class Trainer:
         return self._expand(self._neutral_state(seed))
 
     def _neutral_state(self, seed) -> TrainState:
-        """The state before the strategy adds its own: what any strategy's state reduces to (see checkpoint.py)."""
+        """The state before the strategy adds its own: what any strategy's state reduces to (`Strategy.reduce`; a restore goes through it)."""
         with nnx.use_eager_sharding(False):
             model = self._factory(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = split_model(model)

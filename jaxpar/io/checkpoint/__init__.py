@@ -23,9 +23,7 @@ Modules by concern: `naming` (a state as named arrays, their description), `mani
 `checkpointer` (save, list, wait, set aside), `restore` (direct, or through the strategy-free state).
 """
 
-from jaxpar.io.checkpoint.manifest import FORMAT, MANIFEST, verify, write_manifest
-from jaxpar.io.checkpoint.naming import describe, flatten, strategy_name
-from jaxpar.io.checkpoint.checkpointer import SUPERSEDED, Checkpointer  # noqa: E402 (after its imports)
+from jaxpar.io.checkpoint.checkpointer import Checkpointer
+from jaxpar.io.checkpoint.manifest import MANIFEST, verify, write_manifest
 
-__all__ = ["FORMAT", "MANIFEST", "SUPERSEDED", "Checkpointer", "describe", "flatten", "strategy_name", "verify",
-           "write_manifest"]
+__all__ = ["MANIFEST", "Checkpointer", "verify", "write_manifest"]
