@@ -122,3 +122,10 @@ def test_no_pointer_to_a_design_file_the_user_does_not_have(folder):
             found += [f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}" for n, line in enumerate(lines, 1)
                       if needle in line]
     assert not found, report(f"lines pointing at {needle} (what they refer to belongs in docs/)", found)
+
+
+@pytest.mark.parametrize("strategy", [jaxpar.Sync(), jaxpar.LocalSGD(period=2, local_after=1), jaxpar.DiLoCo(),
+                                      jaxpar.SSP(), jaxpar.ASP()], ids=lambda s: s.name)
+def test_the_variant_list_covers_every_variant_a_strategy_declares(strategy):
+    """The lint's VARIANTS are what the strategies really declare (a new variant name must be linted too)."""
+    assert set(strategy.variant_shares()) <= set(VARIANTS)
