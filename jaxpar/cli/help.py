@@ -26,12 +26,14 @@ MORE = {  # what --help adds to a declaration's one line
 
 def _allreduce_default() -> str:
     """What no --allreduce means, asked of the strategies: the compiler's averaging where replicas share one step."""
-    from jaxpar import strategies
+    from jaxpar.strategies import REGISTRY, WHOLE_BATCH
 
-    shared = [s for s in STRATEGIES if not strategies.from_config(Config(strategy=s).resolved()).local_statistics]
-    others = [s for s in STRATEGIES if s not in shared]
-    return (f"none given: {' / '.join(shared)} leaves the averaging to XLA's partitioner, {' / '.join(others)} use "
-            f"psum")
+    others: dict = {}
+    for name, cls in REGISTRY.items():
+        if name not in WHOLE_BATCH:
+            others.setdefault(cls.DEFAULT_ALLREDUCE, []).append(name)
+    return (f"none given: {' / '.join(WHOLE_BATCH)} leaves the averaging to XLA's partitioner, " +
+            ", ".join(f"{' / '.join(names)} use {algorithm}" for algorithm, names in others.items()))
 
 
 def describe(name: str) -> str:

@@ -87,8 +87,6 @@ def check_combinations(config: Config) -> None:
     if config.lr_decay_steps is not None and config.lr_schedule != "step":
         raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
     if config.bn == BN_SYNC and strategies_lib.from_config(config).local_statistics:
-        shared = [name for name in strategies_lib.REGISTRY  # the strategies that compute on the whole batch
-                  if not strategies_lib.from_config(Config(strategy=name).resolved()).local_statistics]
-        raise ConfigError(f"--bn sync needs --strategy {' / '.join(shared)} without --allreduce; the explicit "
-                          f"strategies normalise each replica's slice (use --bn local)")
+        raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies_lib.WHOLE_BATCH)} without --allreduce; "
+                          f"the explicit strategies normalise each replica's slice (use --bn local)")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
 from typing import Any, Callable
 
+from jaxpar.errors import ShardingError
+from jaxpar.parallel.partitioning import normalize_rules
 from jaxpar.checks import int_problem, is_int
 from jaxpar.cli import paths
 from jaxpar.cli.options import APPLIES_TO, MODELS, STRATEGIES, strategy_default
@@ -56,17 +57,10 @@ def not_empty(example: str) -> Check:
 
 
 def rules_check(name, rules):
-    def axes_ok(target):
-        return target is None or isinstance(target, str) or (
-            isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target))
-
-    if isinstance(rules, Mapping):
-        ok = all(isinstance(k, str) and axes_ok(v) for k, v in rules.items())
-    else:
-        ok = isinstance(rules, (list, tuple)) and all(
-            isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str) and axes_ok(pair[1])
-            for pair in rules)
-    if not ok:
+    """The partitioner's own reading of rules (`normalize_rules`) decides what is valid; said as the config field."""
+    try:
+        normalize_rules(rules)
+    except ShardingError:
         return (f"{name} {rules!r}: must map logical axis names to a mesh axis name, a tuple of them, or None (a dict,"
                 f" or a Flax-style list of (logical name, mesh axis) pairs)")
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxpar.checks import check_int
+from jaxpar.checks import check_int, int_problem
 from jaxpar.errors import ConfigError, OptionError
 
 # Arrivals closer than this are the same instant: sums of float compute times may differ in the last bits.
@@ -146,14 +146,10 @@ class Update(NamedTuple):
 def _check_staleness(staleness_bound) -> float:
     if staleness_bound is None or staleness_bound == math.inf:
         return math.inf
-    if isinstance(staleness_bound, bool) or not isinstance(staleness_bound, (int, np.integer)) or staleness_bound < 0:
-        raise OptionError("staleness", staleness_bound, "must be an integer >= 0 (0 = BSP), or unset for ASP "
-                          "(no bound)")
+    problem = int_problem(staleness_bound, 0, why="0 = BSP")
+    if problem:
+        raise OptionError("staleness", staleness_bound, f"{problem}, or unset for ASP (no bound)")
     return int(staleness_bound)
-
-
-def _check_int(name: str, value, low: int) -> None:
-    check_int(name, value, low)
 
 
 CHUNK_ROWS = 4096  # rows of compute times drawn at a time
@@ -198,7 +194,7 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
     holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
     """
     bound = _check_staleness(staleness_bound)
-    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    check_int("num_replicas (the data-axis size)", num_replicas, 1)
     rounds = rounds or (lambda update: ("step",))
     cost = cost or _unit_cost
     rows = _Rows(stragglers, num_replicas)
@@ -263,8 +259,8 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     """The first `num_updates` updates of a parameter server with unit compute and free communication (`simulate`);
     `staleness_bound` None = ASP, 0 = BSP, S = SSP(S)."""
     _check_staleness(staleness_bound)
-    _check_int("num_replicas (the data-axis size)", num_replicas, 1)
-    _check_int("num_updates", num_updates, 0)
+    check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    check_int("num_updates", num_updates, 0)
     check_update_count(num_updates)
     return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound), num_updates))
 

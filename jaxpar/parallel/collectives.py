@@ -232,11 +232,10 @@ class Communicator:
 
 
 def check_allreduce(allreduce: str | None, torus_x: int | None) -> None:
-    """Refuses an unknown algorithm name, or a torus X without torus2d (None = the compiler's all-reduce)."""
-    if allreduce is not None:
-        _check_algorithm(allreduce)
-    if torus_x is not None and allreduce != "torus2d":
-        raise OptionError("torus_x", torus_x, "applies only with {allreduce} torus2d", flag="--torus")
+    """Refuses an unknown algorithm name, or a torus X without torus2d (None = the compiler's all-reduce): the
+    rules a `Communicator` is built with."""
+    if allreduce is not None or torus_x is not None:
+        Communicator(allreduce or "psum", torus_x)
 
 
 def communicator(name: "str | Communicator" = "psum", torus_x: int | None = None) -> Communicator:

@@ -45,9 +45,17 @@ CONNECT_SECONDS = 120
 _started: dict | None = None
 
 
+PORTS = (1, 65536)  # the TCP ports a coordinator may listen on: [low, high)
+
+
+def port_problem(port) -> str | None:
+    """The one check of a TCP port (None: fine)."""
+    return int_problem(port, *PORTS, why="a TCP port")
+
+
 def _check_address(address, name: str) -> str:
     if not isinstance(address, str) or not re.fullmatch(r"[^\s:]+:[0-9]{1,5}", address) \
-            or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+            or port_problem(int(address.rsplit(":", 1)[1])):
         raise OptionError(name, address, "must be HOST:PORT of process 0, e.g. 10.0.0.1:1234 (the same on every "
                                          "process)")
     return address

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 
+from jaxpar.runtime.distributed import port_problem
 from jaxpar.checks import int_problem
 
 # gloo prints "[Gloo] Rank k is connected to n peer ranks. Expected number of connected peer ranks is : n" from
@@ -181,10 +182,11 @@ def parse(argv) -> argparse.Namespace:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the program after --, e.g. python -m jaxpar.launch --nproc 2 -- run.py --mesh 2x4")
-    for flag, value, low, high, why in (("--nproc", args.nproc, 1, None, "processes"),
-                                        ("--devices-per-process", args.devices_per_process, 1, None, "CPU devices"),
-                                        ("--port", args.port, 1, 65536, "a TCP port")):
-        problem = None if value is None else int_problem(value, low, high, why)
+    for flag, value, problem in (("--nproc", args.nproc, int_problem(args.nproc, 1, why="processes")),
+                                 ("--devices-per-process", args.devices_per_process,
+                                  int_problem(args.devices_per_process, 1, why="CPU devices")),
+                                 ("--port", args.port, port_problem(args.port))):
+        problem = None if value is None else problem
         if problem:  # before anything starts: a bad port would otherwise fail in every process
             parser.error(f"{flag} {value}: {problem}")
     args.command = command

@@ -10,10 +10,13 @@ from jaxpar.strategies.local_sgd import DiLoCo, LocalSGD
 from jaxpar.strategies.stale import ASP, SSP
 from jaxpar.strategies.sync import Sync
 
-__all__ = ["BN_LOCAL", "BN_SYNC", "ASP", "SSP", "DiLoCo", "LocalSGD", "Expected", "Plan", "StepContext", "Strategy", "Sync", "Variant", "REGISTRY",
-           "COMMON_OPTIONS", "from_config", "option_default"]
+__all__ = ["ASP", "BN_LOCAL", "BN_SYNC", "COMMON_OPTIONS", "DiLoCo", "Expected", "LocalSGD", "Plan", "REGISTRY", "SSP",
+           "StepContext", "Strategy", "Sync", "Variant", "WHOLE_BATCH", "from_config", "option_default"]
 
 REGISTRY = {cls.name: cls for cls in (Sync, LocalSGD, DiLoCo, SSP, ASP)}
+# Strategies whose step, with no allreduce given, is one jit over the whole global batch (the compiler averages,
+# BatchNorm sees the global batch); the others compute on each replica's slice.
+WHOLE_BATCH = tuple(name for name, cls in REGISTRY.items() if cls.DEFAULT_ALLREDUCE is None)
 # Config fields every strategy accepts, with their defaults (None: allreduce = the partitioner's for sync, psum
 # for the others; torus = the divisor nearest the square root; stragglers = nobody slow).
 COMMON_OPTIONS = {"allreduce": None, "torus": None, "stragglers": None}

@@ -28,11 +28,13 @@ class StrategyBase:
     OPTIONS: dict = {}
     local_statistics = True
     kept_on_restore: tuple = ()
+    DEFAULT_ALLREDUCE: str | None = "psum"  # the averaging when none is given (None: the compiler's, one jit step)
     period = 1  # steps between exchanges over the replica axis
     REDUCE_NOTE = "its parameters and optimizer state carry over unchanged"
 
     def __init__(self, allreduce, torus_x, stragglers):
         cls = type(self).__name__
+        allreduce = self.DEFAULT_ALLREDUCE if allreduce is None else allreduce
         if allreduce is not None and not isinstance(allreduce, (str, Communicator)):
             raise ConfigError(f"{cls}(allreduce={allreduce!r}): must be None or one of 'psum', 'ring', 'torus2d', "
                               f"'ps' (or a jaxpar.Communicator)")
@@ -70,7 +72,8 @@ class StrategyBase:
     @classmethod
     def _common(cls, options: dict) -> dict:
         """The keyword arguments every strategy takes, from config options (None: the declared default)."""
-        return {"torus_x": options.get("torus"), "stragglers": options.get("stragglers")}
+        return {"allreduce": options.get("allreduce"), "torus_x": options.get("torus"),
+                "stragglers": options.get("stragglers")}
 
 
 class Clock:

@@ -37,19 +37,19 @@ class LocalSGD(StrategyBase):
     local_statistics = True
     REDUCE_NOTE = "the {replicas} replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
-    def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str = "psum", torus_x: int | None = None,
-                 stragglers=None):
+    def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str | None = None,
+                 torus_x: int | None = None, stragglers=None):
         cls = type(self).__name__
         check_int(f"{cls}(period=...)", period, 1, "steps between meetings; 1 = average after every step")
         check_int(f"{cls}(local_after=...)", local_after, 0, "synchronous steps first; 0 = local from the start")
-        super().__init__(allreduce or "psum", torus_x, stragglers)
+        super().__init__(allreduce, torus_x, stragglers)
         self.period, self.local_after = period, local_after
         self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "LocalSGD":
         return cls(options["sync_period"], min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   allreduce=options.get("allreduce") or "psum", **cls._common(options))
+                   **cls._common(options))
 
     # --- state -----------------------------------------------------------------------------------------------
     @classmethod
@@ -227,10 +227,10 @@ class DiLoCo(LocalSGD):
     def from_options(cls, options: dict, steps: int) -> "DiLoCo":
         outer = optax.sgd(options["outer_lr"], momentum=options["outer_momentum"], nesterov=True)
         return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   allreduce=options.get("allreduce") or "psum", **cls._common(options))
+                   **cls._common(options))
 
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
-                 local_after: int = 0, allreduce: str = "psum", torus_x: int | None = None, stragglers=None):
+                 local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers)
         if outer_optimizer is not None:
             check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)

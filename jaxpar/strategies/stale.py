@@ -42,7 +42,7 @@ class SSP(StrategyBase):
     def from_options(cls, options: dict, steps: int) -> "SSP":
         """Plans max(steps, PLAN_FLOOR) updates, so the version buffer is min(S, max(steps, PLAN_FLOOR)) + 1: a
         resumed run that raises --steps within the floor keeps the buffer its checkpoint holds."""
-        common = {**cls._common(options), "allreduce": options.get("allreduce") or "psum"}
+        common = cls._common(options)
         horizon = max(steps, PLAN_FLOOR)
         if not cls.bounded:
             return cls(horizon=horizon, **common)
@@ -68,14 +68,14 @@ class SSP(StrategyBase):
     def theory(self, ctx, variant: str, gradient_bytes: int):
         return [self._exchange("gradients", gradient_bytes)]
 
-    def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
+    def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
         cls = type(self).__name__
         if self.bounded:  # ASP passes None: no bound
             check_int(f"{cls}(staleness=...)", staleness, 0, "0 = BSP = sync SGD")
         check_int(f"{cls}(horizon=...)", horizon, 1, "the number of updates to plan")
         check_int(f"{cls}(max_buffer_bytes=...)", max_buffer_bytes, 1, "None = half the device memory", optional=True)
-        super().__init__(allreduce or "psum", torus_x, stragglers)
+        super().__init__(allreduce, torus_x, stragglers)
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
         self.clock = Clock(self.stragglers, staleness, lambda update: ("update",))
         self._buffers: dict[int, int] = {}  # replica count -> B
@@ -181,7 +181,7 @@ class ASP(SSP):
     OPTIONS: dict = {}
     bounded = False
 
-    def __init__(self, *, stragglers=None, allreduce: str = "psum", torus_x: int | None = None,
+    def __init__(self, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
         super().__init__(None, stragglers=stragglers, allreduce=allreduce, torus_x=torus_x, horizon=horizon,
                          max_buffer_bytes=max_buffer_bytes)

@@ -27,6 +27,7 @@ from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_k
 
 class Sync(StrategyBase):
     name = "sync"
+    DEFAULT_ALLREDUCE = None  # the partitioner's: one jit step over the whole global batch
     OPTIONS: dict = {}  # config fields specific to this strategy -> their defaults
 
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None):
@@ -40,7 +41,7 @@ class Sync(StrategyBase):
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "Sync":
-        return cls(options.get("allreduce"), **cls._common(options))
+        return cls(**cls._common(options))
 
     def init(self, ctx, state):
         return state
