@@ -33,6 +33,7 @@ import math
 import time
 
 import jaxpar
+from jaxpar.train.batches import indivisible_batch
 from benchmarks import common
 
 MESHES = ("8", "1x8", "fsdp=8", "2x4", "data=2,fsdp=2,model=2")
@@ -73,9 +74,9 @@ def measure(model, spec, parts: common.Setup):
     try:
         mesh = jaxpar.make_mesh(spec)
         trainer = common.trainer(parts, mesh)
-        if parts.config.batch_size % trainer.batch_divisor:
-            raise jaxpar.ConfigError(f"batch {parts.config.batch_size} does not divide by the batch axes "
-                                     f"({trainer.batch_divisor})")
+        problem = indivisible_batch(parts.config.batch_size, trainer.batch_divisor)
+        if problem:
+            raise jaxpar.ConfigError(problem)
         start = time.perf_counter()
         report = jaxpar.explain(trainer, parts.batch)
         seconds = time.perf_counter() - start

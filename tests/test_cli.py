@@ -164,7 +164,7 @@ def test_config_preset_with_flag_override(tmp_path, capsys):
     (["--model", "cnn", "--bn", "sync", "--allreduce", "ring"], "--bn sync needs --strategy sync without --allreduce"),
     (["--batch-ramp", "32:0,16:10"], "--batch-ramp '32:0,16:10': steps and sizes must both increase"),
     (["--mesh", "8", "--model", "mlp", "--batch-ramp", "32:0,36:10"], "--batch-ramp '32:0,36:10': size 36 does not "
-                                                                      "divide by the data-axis size 8"),
+                                                                      "divide by the 8 devices the batch is split over"),
     (["--mesh", "2x4", "--grad-accum", "3"], "--grad-accum 3 does not divide the per-replica batch 16"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message, capsys):

@@ -39,7 +39,7 @@ def test_warmup_and_decay_schedules():
 
 
 def test_batch_ramp_lr_follows_the_scaling_rule():
-    ramp = parse_batch_ramp("32:0,64:10,128:20", data_size=8)
+    ramp = parse_batch_ramp("32:0,64:10,128:20", ways=8)
     assert ramp == [(0, 32), (10, 64), (20, 128)]
     size_at = batch_size_fn(32, ramp)
     assert [size_at(t) for t in (0, 9, 10, 19, 20, 500)] == [32, 32, 64, 64, 128, 128]
@@ -49,10 +49,10 @@ def test_batch_ramp_lr_follows_the_scaling_rule():
 
 @pytest.mark.parametrize("spec, words", [("32:5", "must start at step 0"), ("64:0,32:10", "must both increase"),
                                          ("32:0,64:0", "must both increase"), ("32:0,x", "is not SIZE:FROM_STEP"),
-                                         ("32:0,36:10", "size 36 does not divide by the data-axis size 8")])
+                                         ("32:0,36:10", "size 36 does not divide by the 8 devices the batch is split over")])
 def test_batch_ramp_errors(spec, words):
     with pytest.raises(jaxpar.ConfigError, match=words):
-        parse_batch_ramp(spec, data_size=8)
+        parse_batch_ramp(spec, ways=8)
 
 
 def test_batch_ramp_compiles_once_per_size():

@@ -39,13 +39,12 @@ def device_memory(mesh) -> int:
     return total // max(len(jax.local_devices(backend=device.platform)), 1)
 
 
-def check_fits(needed: int, mesh, what: str, advice: str, limit: int | None = None, limit_name: str = "") -> None:
-    """The one memory-fit check: refuses `what` when its `needed` bytes per device exceed a device's memory (or
-    `limit`, named `limit_name`), naming both numbers and `advice`."""
-    available = device_memory(mesh) if limit is None else limit
+def check_fits(needed: int, mesh, what: str, advice: str) -> None:
+    """Refuses `what` when its `needed` bytes per device exceed a device's memory, naming both numbers and
+    `advice`."""
+    available = device_memory(mesh)
     if needed > available:
-        has = f"a device has {available:,}" if limit is None else f"{limit_name} is {available:,}"
-        raise ResourceError(f"{what} needs {needed:,} bytes per device but {has}; {advice}")
+        raise ResourceError(f"{what} needs {needed:,} bytes per device but a device has {available:,}; {advice}")
 
 
 def step_bytes(compiled) -> dict[str, int] | None:

@@ -24,9 +24,9 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 LR_SCHEDULES = ("constant", "cosine", "step")
 
 
-def parse_batch_ramp(spec: str, data_size: int | None = None, steps: int | None = None) -> list[tuple[int, int]]:
+def parse_batch_ramp(spec: str, ways: int | None = None, steps: int | None = None) -> list[tuple[int, int]]:
     """"256:0,512:1000" -> [(0, 256), (1000, 512)] as (from_step, size), checked. With `steps`, sizes are checked
-    against `data_size` only for the stages that start before `steps` (the others never run)."""
+    against the `ways` devices the batch is split over, only for the stages that start before `steps` (the others never run)."""
     stages = []
     for item in spec.split(","):
         size, _, start = item.strip().partition(":")
@@ -42,10 +42,10 @@ def parse_batch_ramp(spec: str, data_size: int | None = None, steps: int | None 
     for start, size in stages:
         if size < 1:
             raise ConfigError(f"--batch-ramp {spec!r}: size {size} of the stage from step {start} is not a batch; "
-                              f"use sizes >= 1, e.g. '{max(data_size or 1, 1)}:{start}'")
-        if data_size and size % data_size and (steps is None or start < steps):
-            raise ConfigError(f"--batch-ramp {spec!r}: size {size} does not divide by the data-axis size "
-                              f"{data_size}; use multiples of {data_size}")
+                              f"use sizes >= 1, e.g. '{max(ways or 1, 1)}:{start}'")
+        if ways and size % ways and (steps is None or start < steps):
+            raise ConfigError(f"--batch-ramp {spec!r}: size {size} does not divide by the {ways} devices the batch is "
+                              f"split over; use multiples of {ways}")
     return stages
 
 
