@@ -68,6 +68,8 @@ BENCHMARKS = [
               "update strategies with a straggler: steps and simulated time to a target loss"),
     Benchmark("largebatch", "largebatch", [], ["--epochs", "5", "--seeds", "0", "--batches", "32,256,1024"],
               {True: 300, False: 1500}, "large-batch recipes on digits: test accuracy"),
+    Benchmark("pipeline", "pipeline", [], [], {True: 120, False: 300},
+              "pipeline schedules: activation memory of 1F1B and GPipe against the microbatch count (no training)"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
 ]
