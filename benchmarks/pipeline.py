@@ -30,9 +30,9 @@ def main():
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec
 
-    from jaxpar.parallel.pipeline import gpipe, one_f_one_b
+    from jaxpar.pipeline.schedules import gpipe, one_f_one_b
 
-    def stage_fn(p, x):
+    def stage_fn(p, x, m=0):
         return jax.lax.scan(lambda h, wb: (h + jnp.tanh(h @ wb[0] + wb[1]), None), x, (p["w"], p["b"]))[0]
 
     def loss_fn(y, t):
@@ -44,7 +44,9 @@ def main():
     params = {"w": jnp.zeros((args.layers, args.width, args.width)), "b": jnp.zeros((args.layers, args.width))}
 
     def one_f_one_b_step(p, xs, ts):
-        return one_f_one_b(stage_fn, loss_fn, p, xs, ts, axis=axis)
+        loss, _, grads, _, input_grads = one_f_one_b(stage_fn, lambda h, y, m: (loss_fn(y, ts[m]), {}), p, (), xs,
+                                                     axis=axis)
+        return loss, grads, input_grads
 
     def gpipe_loss(p, xs, ts):
         mine = jnp.mean(jax.vmap(loss_fn)(gpipe(stage_fn, p, xs, axis=axis), ts))

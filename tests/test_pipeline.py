@@ -1,6 +1,6 @@
-"""The pipeline schedules of `jaxpar.parallel.pipeline` against the sequential model they must equal: the mean
-loss over microbatches, every parameter gradient and the input gradients, for GPipe and 1F1B, on 1, 2, 4 and 8
-stages, with more microbatches than stages and fewer."""
+"""The pipeline schedules of `jaxpar.pipeline.schedules` against the sequential model they must equal: the mean
+loss over microbatches, every parameter gradient (stages and head) and the input gradients, for GPipe, circular and
+1F1B, on 1, 2, 4 and 8 stages, with more microbatches than stages and fewer."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.parallel.pipeline import gpipe, one_f_one_b
+from jaxpar.pipeline.schedules import circular, gpipe, one_f_one_b
 
 LAYERS, WIDTH, ROWS = 8, 16, 4
 AXIS = "stage"
@@ -19,13 +19,16 @@ def block(x, w, b):
     return x + jnp.tanh(x @ w + b)
 
 
-def stage_fn(params, x):
+def stage_fn(params, x, m=0):
     """A stage: its contiguous run of the stacked blocks (a leading layers dimension)."""
     return jax.lax.scan(lambda h, wb: (block(h, *wb), None), x, (params["w"], params["b"]))[0]
 
 
-def loss_fn(y, target):
-    return jnp.mean((y - target) ** 2)
+def loss_fn(y, target, scale=1.0):
+    return jnp.mean((y * scale - target) ** 2)
+
+
+HEAD = {"scale": 1.0 + 0.1 * jnp.arange(WIDTH, dtype=jnp.float32)}  # a head with its own parameters
 
 
 def problem(microbatches: int):
@@ -36,20 +39,26 @@ def problem(microbatches: int):
     return params, xs, targets
 
 
-def sequential(params, xs, targets):
+def sequential(params, xs, targets, head=None):
     """The model unpipelined: every block in order on every microbatch, the mean loss."""
-    return jnp.mean(jax.vmap(lambda x, t: loss_fn(stage_fn(params, x), t))(xs, targets))
+    scale = 1.0 if head is None else head["scale"]
+    return jnp.mean(jax.vmap(lambda x, t: loss_fn(stage_fn(params, x), t, scale))(xs, targets))
 
 
 def stage_mesh(stages: int) -> Mesh:
     return Mesh(np.array(jax.devices()[:stages]), (AXIS,))
 
 
+def run_1f1b(p, head, xs, ts):
+    def head_fn(h, y, m):
+        return loss_fn(y, ts[m], h["scale"]), {"mean_y": jnp.mean(y)}
+    return one_f_one_b(stage_fn, head_fn, p, head, xs, axis=AXIS)
+
+
 def pipelined_1f1b(stages: int):
-    run = lambda p, xs, ts: one_f_one_b(stage_fn, loss_fn, p, xs, ts, axis=AXIS)  # noqa: E731
-    split = PartitionSpec(AXIS)  # the stacked layers: a contiguous run per stage
-    return jax.jit(jax.shard_map(run, mesh=stage_mesh(stages), in_specs=(split, PartitionSpec(), PartitionSpec()),
-                                 out_specs=(PartitionSpec(), split, PartitionSpec()), check_vma=False))
+    split, whole = PartitionSpec(AXIS), PartitionSpec()  # the stacked layers: a contiguous run per stage
+    return jax.jit(jax.shard_map(run_1f1b, mesh=stage_mesh(stages), in_specs=(split, whole, whole, whole),
+                                 out_specs=(whole, whole, split, whole, whole), check_vma=False))
 
 
 def pipelined_gpipe(stages: int):
@@ -71,11 +80,15 @@ def assert_close(got, want):
 @pytest.mark.parametrize("stages, microbatches", [(1, 3), (2, 4), (4, 8), (4, 2), (8, 5)])
 def test_1f1b_equals_the_sequential_model(stages, microbatches):
     params, xs, targets = problem(microbatches)
-    want_loss, (want_grads, want_input_grads) = jax.value_and_grad(sequential, argnums=(0, 1))(params, xs, targets)
-    loss, grads, input_grads = pipelined_1f1b(stages)(params, xs, targets)
+    want_loss, (want_grads, want_input_grads, want_head) = jax.value_and_grad(
+        lambda p, x, h: sequential(p, x, targets, h), argnums=(0, 1, 2))(params, xs, HEAD)
+    loss, metrics, grads, head_grads, input_grads = pipelined_1f1b(stages)(params, HEAD, xs, targets)
     assert_close(loss, want_loss)
     assert_close(grads, want_grads)
+    assert_close(head_grads, want_head)
     assert_close(input_grads, want_input_grads)
+    want_mean_y = jnp.mean(jax.vmap(lambda x: jnp.mean(stage_fn(params, x)))(xs))
+    assert_close(metrics["mean_y"], want_mean_y)
 
 
 @pytest.mark.parametrize("stages, microbatches", [(1, 3), (2, 4), (4, 8), (4, 2)])
@@ -90,7 +103,7 @@ def test_1f1b_stashes_at_most_one_input_per_stage_whatever_the_microbatch_count(
     and 16 microbatches; only the input gradients it returns ([M, ...], like the inputs) grow with M."""
     def carried_shapes(microbatches):
         params, xs, targets = problem(microbatches)
-        jaxpr = jax.make_jaxpr(lambda p, x, t: one_f_one_b(stage_fn, loss_fn, p, x, t, axis=AXIS),
+        jaxpr = jax.make_jaxpr(lambda p, x, t: run_1f1b(p, HEAD, x, t),
                                axis_env=[(AXIS, 4)])(params, xs, targets)
         scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
         assert len(scans) == 1
@@ -103,3 +116,39 @@ def test_1f1b_stashes_at_most_one_input_per_stage_whatever_the_microbatch_count(
     grown = [(a, b) for a, b in zip(few, many) if a != b]
     assert grown == [((4, ROWS, WIDTH), (16, ROWS, WIDTH))]  # the input gradients only
     assert (4, ROWS, WIDTH) in few and few.count((4, ROWS, WIDTH)) == 2  # the stash: S = 4 inputs, and dx at M = 4
+
+
+def pipelined_circular(stages: int, repeats: int):
+    """Circular: chunk r of stage s is the (r * S + s)-th run of layers, so the stored [L] layers are laid out
+    [R, S, k] and handed to the stages as [S, R, k]."""
+    def loss(p, xs, ts):
+        outputs = circular(lambda q, x, m, r: stage_fn(q, x), jax.tree.map(lambda a: a[0], p), xs,
+                           axis=AXIS, repeats=repeats)
+        mine = jnp.where(jax.lax.axis_index(AXIS) == stages - 1, jnp.mean(jax.vmap(loss_fn)(outputs, ts)), 0.0)
+        return jax.lax.psum(mine, AXIS)
+
+    mapped = jax.shard_map(loss, mesh=stage_mesh(stages), in_specs=(PartitionSpec(AXIS), PartitionSpec(),
+                                                                    PartitionSpec()),
+                           out_specs=PartitionSpec(), check_vma=False)
+
+    def by_stage(params):
+        k = LAYERS // (stages * repeats)
+        return jax.tree.map(lambda a: a.reshape((repeats, stages, k) + a.shape[1:]).swapaxes(0, 1), params)
+
+    def value(params, xs, ts):
+        return mapped(by_stage(params), xs, ts)
+
+    return jax.jit(jax.value_and_grad(value, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("stages, repeats, microbatches", [(2, 2, 2), (2, 4, 3), (4, 2, 4), (4, 2, 6), (1, 4, 2)])
+def test_circular_equals_the_sequential_model(stages, repeats, microbatches):
+    params, xs, targets = problem(microbatches)
+    want = jax.value_and_grad(sequential, argnums=(0, 1))(params, xs, targets)
+    assert_close(pipelined_circular(stages, repeats)(params, xs, targets), want)
+
+
+def test_circular_refuses_fewer_microbatches_than_stages():
+    params, xs, targets = problem(2)
+    with pytest.raises(ValueError, match=r"at least as many microbatches as stages \(2 < 4\)"):
+        pipelined_circular(4, 2)(params, xs, targets)

@@ -1,0 +1,162 @@
+"""Pipeline schedules over a stage axis: GPipe, circular and memory-bounded 1F1B, as functions run inside a
+`jax.shard_map` that is manual over that axis (each device holds one stage's layers and runs them on one microbatch
+per tick).
+
+A pipelined model is `stage_fn(stage_params, x, m) -> y` with `y` shaped like `x` (a stack of identical residual
+blocks, a stage being a contiguous run of them; `m` is the microbatch index, for dropout keys), microbatches `xs`
+of shape `[M, ...]`, and S stages along `axis`. Activations move to the next stage and cotangents to the previous
+one with `lax.ppermute` after every tick.
+
+- `gpipe(stage_fn, params, xs, axis=...)`: every microbatch forward through all stages in M + S - 1 ticks (a
+  `lax.scan`); the backward is autodiff through that scan. `stage_fn` is rematerialised, so each tick keeps only
+  its stage input for the backward: activation memory grows with M. Bubble (S - 1) / (M + S - 1).
+- `circular(stage_fn, params, xs, axis=..., repeats=R)`: each stage holds R chunks of layers (`params` has a
+  leading R dimension; chunk r of stage s is the (r * S + s)-th run of layers), and every microbatch goes round the
+  ring of stages R times: R * M + S - 1 ticks of one chunk each, bubble (S - 1) / (R * M + S - 1). The last stage
+  sends to stage 0, which keeps the returning activations until their next round (M >= S is needed so a round is
+  back before it is due). `gpipe` is `circular` with R = 1.
+- `one_f_one_b(stage_fn, head_fn, params, head_params, xs, axis=...)`: a hand-written backward. Stage s runs a
+  forward on ticks where t + s is even and a backward on the others, so in the steady state every stage alternates
+  one forward and one backward (1F1B) and nothing waits: 2(M + S - 1) ticks of one half-step each, the same time as
+  GPipe's M + S - 1 forward and M + S - 1 backward ticks, and the same bubble (S - 1) / (M + S - 1). A microbatch's
+  input stays stashed on a stage from its forward to its backward: at most S of them at once on stage 0, fewer
+  further on (the stash is `[S, ...]` whatever M), and the backward recomputes the stage forward from it with
+  `jax.vjp`. Parameter gradients accumulate across ticks. The last stage applies `head_fn` (the rest of the model
+  and the loss) to each microbatch as it leaves, so its backward can start at once.
+
+All three are checked against the sequential model (loss and every gradient) in tests/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+StageFn = Callable[[object, jax.Array, jax.Array], jax.Array]
+
+
+def _to_next(x, axis: str, stages: int, ring: bool = False):
+    """Each stage's `x` to the next stage (the last sends to stage 0 when `ring`, else nothing; then stage 0
+    receives zeros)."""
+    pairs = [(i, (i + 1) % stages) for i in range(stages if ring else stages - 1)]
+    return lax.ppermute(x, axis, pairs)
+
+
+def _to_previous(x, axis: str, stages: int):
+    """Each stage's `x` to the previous stage (stage 0 sends nothing; the last receives zeros)."""
+    return lax.ppermute(x, axis, [(i + 1, i) for i in range(stages - 1)])
+
+
+def _pick(pred, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def gpipe(stage_fn: StageFn, params, xs: jax.Array, *, axis: str) -> jax.Array:
+    """The last stage's output for every microbatch, `[M, ...]` (valid on the last stage, zeros elsewhere).
+
+    Differentiate a loss of it (masked to the last stage and summed over `axis`) for the backward: it runs the
+    ticks in reverse, recomputing each stage forward from its saved input."""
+    return circular(lambda p, x, m, r: stage_fn(p, x, m), jax.tree.map(lambda a: a[None], params), xs, axis=axis,
+                    repeats=1)
+
+
+def circular(stage_fn: Callable, params, xs: jax.Array, *, axis: str, repeats: int) -> jax.Array:
+    """`gpipe` with `repeats` chunks of layers per stage: `params` has a leading `repeats` dimension and
+    `stage_fn(chunk_params, x, m, r)` runs chunk r. Needs M >= S when repeats > 1."""
+    stages, stage = lax.axis_size(axis), lax.axis_index(axis)
+    count = xs.shape[0]
+    if repeats > 1 and count < stages:
+        raise ValueError(f"the circular schedule needs at least as many microbatches as stages ({count} < {stages})")
+    items = repeats * count
+    body = jax.checkpoint(stage_fn)  # the backward keeps each tick's stage input only
+
+    def tick(carry, t):
+        received, returned = carry  # returned: stage 0's activations back from the last stage, by microbatch
+        i = jnp.clip(t - stage, 0, items - 1)  # the (round, microbatch) item this stage runs
+        r, m = i // count, i % count
+        if repeats > 1:
+            first = jnp.where(r == 0, xs[m], returned[m])
+        else:
+            first = xs[m]
+        x = jnp.where(stage == 0, first, received)
+        y = body(jax.tree.map(lambda a: a[r], params), x, m, r)
+        sent = _to_next(y, axis, stages, ring=repeats > 1)
+        if repeats > 1:  # on stage 0, `sent` is the last stage's output of item t - S + 1: keep it for its next round
+            back = t - stages + 1
+            keep = (stage == 0) & (back >= 0) & (back < items - count)
+            returned = jnp.where(keep, returned.at[jnp.clip(back, 0, items - 1) % count].set(sent), returned)
+        return (sent, returned), y
+
+    returned = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
+    _, ys = lax.scan(tick, (jnp.zeros_like(xs[0]), returned), jnp.arange(items + stages - 1))
+    # microbatch m leaves the last stage, in its last round, at tick (R - 1) M + m + S - 1
+    return jnp.where(stage == stages - 1, ys[items - count + stages - 1:], jnp.zeros_like(xs))
+
+
+def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: jax.Array, *, axis: str):
+    """(mean over microbatches of the loss, mean of the metrics, the gradient of that mean loss with respect to
+    this stage's `params`, with respect to `head_params`, and with respect to `xs`).
+
+    `head_fn(head_params, y, m) -> (loss, metrics)` is the rest of the model and the loss on microbatch m's last
+    stage output `y`. Loss, metrics, head gradients and input gradients are the same on every stage (summed over
+    `axis` from the one stage that computes each)."""
+    stages, stage = lax.axis_size(axis), lax.axis_index(axis)
+    count = xs.shape[0]
+    last = stage == stages - 1
+    zeros = jnp.zeros_like(xs[0])
+    shapes = jax.eval_shape(head_fn, head_params, xs[0], 0)
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes[1])
+
+    def forward(carry, m, valid):
+        received, _, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
+        x = jnp.where(stage == 0, xs[m], received)
+        y = stage_fn(params, x, m)
+
+        def head(y):  # the loss, its cotangent and the head's gradients, on the last stage only
+            (value, aux), (g_head, g_y) = jax.value_and_grad(head_fn, argnums=(0, 1), has_aux=True)(head_params, y, m)
+            aux = jax.tree.map(lambda a: a.astype(jnp.float32), aux)
+            return value.astype(jnp.float32), aux, jax.tree.map(lambda g: g / count, g_head), g_y / count
+
+        def idle(y):
+            return (jnp.zeros((), jnp.float32), no_metrics, jax.tree.map(jnp.zeros_like, head_params),
+                    jnp.zeros_like(y))
+
+        value, aux, g_head, cotangent = lax.cond(last, head, idle, y)
+        use = valid & last
+        stash = jnp.where(valid, stash.at[m % stages].set(x), stash)
+        pending = jnp.where(use, cotangent, pending)
+        head_grads = _pick(use, jax.tree.map(jnp.add, head_grads, g_head), head_grads)
+        loss = loss + jnp.where(use, value, 0.0)
+        metrics = jax.tree.map(lambda a, b: a + jnp.where(use, b, 0.0), metrics, aux)
+        return y, zeros, (pending, stash, grads, head_grads, input_grads, loss, metrics)
+
+    def backward(carry, m, valid):
+        _, received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
+        cotangent = jnp.where(last, pending, received)
+        _, pull = jax.vjp(lambda p, x: stage_fn(p, x, m), params, stash[m % stages])
+        param_grads, x_grad = pull(cotangent)
+        grads = _pick(valid, jax.tree.map(jnp.add, grads, param_grads), grads)
+        input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)
+        return zeros, x_grad, (pending, stash, grads, head_grads, input_grads, loss, metrics)
+
+    def tick(carry, t):
+        forward_tick = (t + stage) % 2 == 0
+        m_forward = (t - stage) // 2  # stage s runs microbatch m forward at tick 2m + s
+        m_backward = (t + stage + 1) // 2 - stages  # and backward at tick 2m + 2S - 1 - s
+        m = jnp.where(forward_tick, m_forward, m_backward)
+        valid = (m >= 0) & (m < count)
+        m = jnp.clip(m, 0, count - 1)
+        to_next, to_previous, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
+        return (_to_next(to_next, axis, stages), _to_previous(to_previous, axis, stages)) + kept, None
+
+    start = (zeros, zeros, zeros, jnp.zeros((stages,) + xs.shape[1:], xs.dtype),
+             jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(xs),
+             jnp.zeros((), jnp.float32), no_metrics)
+    carry, _ = lax.scan(tick, start, jnp.arange(2 * (count + stages - 1)))
+    *_, grads, head_grads, input_grads, loss, metrics = carry
+    shared = lax.psum((loss / count, jax.tree.map(lambda a: a / count, metrics), head_grads, input_grads), axis)
+    loss, metrics, head_grads, input_grads = shared
+    return loss, metrics, grads, head_grads, input_grads
