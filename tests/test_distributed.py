@@ -34,7 +34,10 @@ def fake_devices(local=4, processes=2, interleaved=False):
 
 
 def ids(grid):
-    return np.vectorize(lambda d: d.id)(grid).tolist()
+    """Device ids of a (data, stage, fsdp, model) grid without stages (a mesh spec that names no stage), as a
+    (data, fsdp, model) nested list."""
+    assert grid.shape[1] == 1
+    return np.vectorize(lambda d: d.id)(grid[:, 0]).tolist()
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -69,7 +72,7 @@ def test_model_axis_larger_than_a_process_is_reported_as_crossing():
 def test_a_mesh_must_use_every_device_of_every_process():
     with pytest.raises(MeshError, match=r"--mesh '2x2' uses 4 of 8 devices, but with 2 processes a mesh must use "
                                         r"every device of every process \(each has 4\); use a mesh of 8 devices"):
-        device_grid((2, 1, 2), fake_devices(), "2x2")
+        device_grid((2, 1, 1, 2), fake_devices(), "2x2")
 
 
 def test_one_process_keeps_the_plain_order():

@@ -1,24 +1,28 @@
 """The ONE module that names mesh axes and says what each is for; mesh specs -> `jax.sharding.Mesh`.
 
 Axes, outermost to innermost (the device grid is laid out in this order, so `model` gets the closest devices and
-`data` is the axis that crosses hosts first):
+`data` is the axis that crosses hosts first, then `stage`):
 
 - `data`: data parallelism; the replica axis of local SGD / DiLoCo / SSP / ASP (a replica = one data group);
+- `stage`: pipeline parallelism: the layers of a stacked block (the logical name `layers`) are split over it, one
+  contiguous run of layers per stage, and activations go from stage to stage with `ppermute` over it. Its traffic is
+  one activation per microbatch and tick, so it may cross hosts; the batch is not split over it;
 - `fsdp`: ZeRO-3 / FSDP: the batch is split over it *and* parameters and optimizer state are sharded over it;
 - `model`: Megatron-style tensor parallelism.
 
-Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`, ...) and
-never spells an axis name, so a later axis (pipeline stages) slots in by adding it and its roles here.
+Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`,
+`STAGE_AXIS`, ...) and never spells an axis name.
 
 Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
-`"data=2,fsdp=2,model=2"`, `"fsdp=8"`; absent axes have size 1; `-1` once means all remaining devices.
+`"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`; absent axes have size 1; `-1` once
+means all remaining devices. The positional forms never name `stage`: a pipeline is asked for by name.
 
 On a CPU-only machine the number of devices is a start-up setting of XLA. `make_mesh` provides it (unless the
 user already chose a count, or JAX has already started) so that `--mesh 2x4` just works on a laptop.
 
-    >>> mesh = make_mesh("data=2,fsdp=2,model=2")     # doctest: +SKIP
+    >>> mesh = make_mesh("data=2,stage=2,model=2")    # doctest: +SKIP
     >>> dict(mesh.shape)                              # doctest: +SKIP
-    {'data': 2, 'fsdp': 2, 'model': 2}
+    {'data': 2, 'stage': 2, 'fsdp': 1, 'model': 2}
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.checks import is_int
 from jaxpar.errors import MeshError
 
-DATA, FSDP, MODEL = "data", "fsdp", "model"
-AXES = (DATA, FSDP, MODEL)  # outermost to innermost
+DATA, STAGE, FSDP, MODEL = "data", "stage", "fsdp", "model"
+AXES = (DATA, STAGE, FSDP, MODEL)  # outermost to innermost: stages may cross hosts, tensor parallelism never does
 
 # Roles. Each is a tuple of axis names in mesh order (or one name).
 BATCH_AXES = (DATA, FSDP)  # the global batch's leading dimension is split over these
@@ -44,12 +48,14 @@ PARAMETER_AXES = (FSDP, MODEL)  # parameters and optimizer state are sharded ove
 REPLICA_AXIS = DATA  # the worker of the non-sync strategies; inside a replica the other axes stay automatic
 FSDP_AXIS = FSDP  # placement-only sharding (no change to the math): falls back to another dimension, or whole
 TENSOR_AXIS = MODEL  # tensor parallelism: a rule that does not divide is an error
-WITHIN_REPLICA_AXES = tuple(a for a in AXES if a != REPLICA_AXIS)
+STAGE_AXIS = STAGE  # pipeline stages: a stacked block's layers are split over it (a rule that does not divide is an
+#                     error), stage-to-stage activations and cotangents are ppermute'd over it
+WITHIN_REPLICA_AXES = tuple(a for a in AXES if a != REPLICA_AXIS)  # (stage, fsdp, model): a replica holds a pipeline
 
 # "AxB" / "AxBxC" positional forms name these axes, in order.
 _POSITIONAL = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
 _FORMS = ("'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model) or named, e.g. "
-          "'data=2,fsdp=2,model=2' or 'fsdp=8'; -1 in one place means all remaining devices")
+          "'data=2,fsdp=2,model=2', 'fsdp=8' or 'stage=4'; -1 in one place means all remaining devices")
 
 
 def parse_mesh_spec(spec: str) -> tuple[int, ...]:
@@ -86,7 +92,7 @@ def _parse_size(spec: str, value: str) -> int:
 
 
 def format_shape(shape) -> str:
-    """The named spec of a shape: (2, 1, 4) -> 'data=2,model=4' (axes of size 1 left out)."""
+    """The named spec of a shape (sizes of `AXES`): (2, 1, 1, 4) -> 'data=2,model=4' (axes of size 1 left out)."""
     named = [f"{axis}={size}" for axis, size in zip(AXES, shape) if size != 1]
     return ",".join(named) or f"{DATA}=1"
 
@@ -125,14 +131,14 @@ def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "", *, l
 
 
 def _suggest(shape: tuple[int, ...], num_devices: int) -> str:
-    """A spec that fits: from the innermost axis out, each inner axis as large as asked but dividing the devices
-    left; `data` takes the rest."""
+    """A spec that fits: from the innermost axis out (model, fsdp, stage), each inner axis as large as asked but
+    dividing the devices left; `data` takes the rest. The short "AxB" form when only data and model remain."""
     left, sizes = num_devices, {}
     for axis, asked in reversed(list(zip(AXES[1:], shape[1:]))):
         asked = left if asked == -1 else asked
         sizes[axis] = max(d for d in range(1, min(asked, left) + 1) if left % d == 0)
         left //= sizes[axis]
-    if sizes.get(FSDP, 1) == 1:
+    if sizes.get(FSDP, 1) == 1 and sizes.get(STAGE, 1) == 1:
         return f"{left}x{sizes.get(MODEL, 1)}"
     return format_shape(tuple([left] + [sizes[axis] for axis in AXES[1:]]))
 
@@ -158,10 +164,12 @@ def ensure_cpu_devices(count: int) -> None:
 
 
 def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
-    """Builds the (data, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first devices.
+    """Builds the (data, stage, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first
+    devices.
 
     `spec`: a string (see the module docstring); an int `n`, the same as the string `"n"` (data = n); or a tuple
-    of sizes, where 1 size is (data,), 2 are (data, model) and 3 are (data, fsdp, model), like the "AxB" forms.
+    of sizes, where 1 size is (data,), 2 are (data, model) and 3 are (data, fsdp, model), like the "AxB" forms (a
+    stage axis is asked for by name: `make_mesh("data=2,stage=2,model=2")`).
     Sizes are positive integers, or -1 once for all remaining devices. Every axis is `AxisType.Auto`: the compiler
     partitions what a sharding does not pin down (GSPMD style), which is what `NamedSharding` parameters and
     `shard_map(axis_names={REPLICA_AXIS})` expect.
@@ -186,14 +194,15 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
 
 
 def device_grid(shape: tuple[int, ...], devices, spec: str = "", *, library: bool = False) -> np.ndarray:
-    """The devices laid out as a (data, fsdp, model) grid, keeping the inner axes inside a process (host).
+    """The devices laid out as a (data, stage, fsdp, model) grid, keeping the inner axes inside a process (host).
 
     One process: the first prod(shape) devices in order. Several processes (each with the same number of devices,
     all of which the mesh must use): each axis is split into a part inside a process and a part across processes.
     The inside parts are filled from the innermost axis out: `model` first (tensor-parallel traffic, the heaviest,
-    stays on a host's fast links), then `fsdp` (its per-layer all-gathers next), then `data`. What does not fit
-    inside one process crosses processes, `data` first: a 2x4 mesh on 2 processes x 4 devices puts each data
-    replica on one process; fsdp=8 on 2 x 4 splits fsdp into 4 inside x 2 across. Within a process devices keep
+    stays on a host's fast links), then `fsdp` (its per-layer all-gathers next), then `stage` (one activation per
+    tick), then `data`. What does not fit inside one process crosses processes, `data` first, then `stage`: a 2x4
+    mesh on 2 processes x 4 devices puts each data replica on one process; fsdp=8 on 2 x 4 splits fsdp into 4
+    inside x 2 across; stage=2,model=4 on 2 x 4 puts each stage on one process. Within a process devices keep
     their id order; processes are ordered by process index.
     """
     count = math.prod(shape)
@@ -235,7 +244,8 @@ def crossing_axes(mesh: Mesh) -> list[str]:
 
 
 _TUPLE_FORMS = ("give an int (data), a tuple of 1 to 3 sizes ((data,), (data, model) or (data, fsdp, model)) of "
-                "positive integers with -1 at most once for all remaining devices, or a string like '2x4'")
+                "positive integers with -1 at most once for all remaining devices, or a string like '2x4' (a stage "
+                "axis only by name: 'data=2,stage=2,model=2')")
 
 
 def _as_sizes(spec) -> tuple:
@@ -262,7 +272,8 @@ def _tuple_shape(spec) -> tuple[int, ...]:
 
 
 def check_mesh(mesh) -> None:
-    """Refuses a mesh jaxpar cannot use: anything but a `Mesh` with Auto axes data, fsdp, model in that order."""
+    """Refuses a mesh jaxpar cannot use: anything but a `Mesh` with Auto axes `AXES` (data, stage, fsdp, model) in
+    that order, as `make_mesh` builds it."""
     fix = f"build it with jaxpar.make_mesh (axes {', '.join(AXES)}, e.g. jaxpar.make_mesh('2x4'))"
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh {mesh!r}: not a jax.sharding.Mesh; {fix}")
@@ -291,5 +302,5 @@ def batch_ways(mesh: Mesh) -> int:
 
 
 def shape_line(mesh: Mesh) -> str:
-    """'data=2 x fsdp=1 x model=4' for progress output."""
+    """'data=2 x stage=1 x fsdp=1 x model=4' for progress output (every axis, sizes of 1 included)."""
     return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
