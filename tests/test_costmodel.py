@@ -17,7 +17,7 @@ from jaxpar.cost.simulator import parse_stragglers, simulate
 from jaxpar.strategies.common import meeting_rounds
 from tests.helpers import batch_for, trainer_for
 
-AXES = ("data", "fsdp", "model")
+AXES = ("data", "stage", "fsdp", "model")
 NVLINK = Link(5e-6, 300e9)
 
 
@@ -37,6 +37,11 @@ def test_named_profiles_parse_to_themselves_and_nothing_means_no_profile():
     assert PROFILES["a100-ib100"].links["data"] == Link(10e-6, 12.5e9)
     assert PROFILES["a100-eth10"].links["data"] == Link(50e-6, 1.25e9)
     assert PROFILES["a100-eth10"].links["model"] == NVLINK
+    # every profile prices every mesh axis; the stage axis crosses nodes on the data axis's link
+    assert all(tuple(profile.links) == AXES for profile in PROFILES.values())
+    assert PROFILES["a100-ib100"].links["stage"] == Link(10e-6, 12.5e9)
+    assert PROFILES["a100-eth10"].links["stage"] == Link(50e-6, 1.25e9)
+    assert PROFILES["a100-nvlink"].links["stage"] == NVLINK
 
 
 def test_custom_profile_gives_its_numbers_to_every_axis():
@@ -46,18 +51,21 @@ def test_custom_profile_gives_its_numbers_to_every_axis():
     assert profile.name == "flops=100e12,alpha=1e-5,bandwidth=12.5e9"
     # per-axis items beat the all-axes ones, whatever their order
     mixed = parse_hardware("flops=1e12,data.bandwidth=2e9,alpha=0,bandwidth=1e9")
-    assert [mixed.links[a] for a in AXES] == [Link(0.0, 2e9), Link(0.0, 1e9), Link(0.0, 1e9)]
+    assert [mixed.links[a] for a in AXES] == [Link(0.0, 2e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
+    staged = parse_hardware("flops=1e12,alpha=0,bandwidth=1e9,stage.bandwidth=3e9")
+    assert [staged.links[a] for a in AXES] == [Link(0.0, 1e9), Link(0.0, 3e9), Link(0.0, 1e9), Link(0.0, 1e9)]
 
 
 def test_overrides_change_only_the_named_link():
     profile = parse_hardware("a100-nvlink,data.bandwidth=1.25e9,data.alpha=5e-5")
     assert profile.flops == 312e12
-    assert profile.links == {"data": Link(5e-5, 1.25e9), "fsdp": NVLINK, "model": NVLINK}
+    assert profile.links == {"data": Link(5e-5, 1.25e9), "stage": NVLINK, "fsdp": NVLINK, "model": NVLINK}
     assert profile.source.endswith("overridden: data.bandwidth=1.25e9, data.alpha=5e-5")
     assert PROFILES["a100-nvlink"].links["data"] == NVLINK  # the named profile is left alone
     every = parse_hardware("a100-ib100,alpha=0,flops=1e12")
     assert every.flops == 1e12
-    assert every.links == {"data": Link(0.0, 12.5e9), "fsdp": Link(0.0, 300e9), "model": Link(0.0, 300e9)}
+    assert every.links == {"data": Link(0.0, 12.5e9), "stage": Link(0.0, 12.5e9), "fsdp": Link(0.0, 300e9),
+                           "model": Link(0.0, 300e9)}
 
 
 @pytest.mark.parametrize("spec, why", [
@@ -78,7 +86,7 @@ def test_overrides_change_only_the_named_link():
     ("alpha=1e-5,bandwidth=1e9", "no flops="),
     ("flops=1e12,alpha=1e-5", "the data axis has no bandwidth"),
     ("flops=1e12,bandwidth=1e9", "the data axis has no alpha"),
-    ("flops=1e12,alpha=1e-5,data.bandwidth=1e9", "the fsdp axis has no bandwidth"),
+    ("flops=1e12,alpha=1e-5,data.bandwidth=1e9", "the stage axis has no bandwidth"),
 ])
 def test_bad_hardware_specs_are_refused_in_one_line_naming_the_option(spec, why):
     with pytest.raises(jaxpar.OptionError) as raised:
@@ -226,7 +234,7 @@ def test_ring_torus2d_and_ps_priced_from_their_compiled_permutes():
         trainer.step(trainer.init(0), batch)  # prices the step it compiles
         ops[name] = collective_ops(trainer.compiled_step("sync"), trainer.mesh)
     mesh, profile = trainers["ring"].mesh, trainers["ring"].hardware
-    assert mesh.devices.shape == (8, 1, 1) and trainers["torus2d"].strategy.torus_x == 2
+    assert mesh.devices.shape == (8, 1, 1, 1) and trainers["torus2d"].strategy.torus_x == 2
     params = trainers["ring"].abstract_state().params
     elements = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     assert elements == 64 * 32 + 32 + 32 * 10 + 10  # 2410 float32

@@ -63,14 +63,15 @@ _NVLINK_SOURCE = ("A100 SXM datasheet: 312 TFLOP/s dense bf16 tensor-core peak, 
 PROFILES: dict[str, Profile] = {
     "a100-nvlink": Profile("a100-nvlink", _A100_PEAK, {a: _NVLINK for a in mesh_lib.AXES},
                            _NVLINK_SOURCE + "; every axis inside one 8-GPU NVSwitch node; alpha 5 us assumed"),
-    "a100-ib100": Profile("a100-ib100", _A100_PEAK, {mesh_lib.DATA: _IB100, mesh_lib.FSDP: _NVLINK,
-                                                     mesh_lib.MODEL: _NVLINK},
-                          _NVLINK_SOURCE + "; the data axis crosses nodes on 100 Gb/s InfiniBand (EDR: 12.5 GB/s "
-                          "per device); fsdp and model inside a node; alpha 10 us across nodes assumed"),
-    "a100-eth10": Profile("a100-eth10", _A100_PEAK, {mesh_lib.DATA: _ETH10, mesh_lib.FSDP: _NVLINK,
-                                                     mesh_lib.MODEL: _NVLINK},
-                          _NVLINK_SOURCE + "; the data axis crosses nodes on 10 Gb/s Ethernet (1.25 GB/s per "
-                          "device); fsdp and model inside a node; alpha 50 us (TCP) assumed"),
+    # stage gets the data axis's link: both are the outer axes that cross nodes (mesh.AXES' order)
+    "a100-ib100": Profile("a100-ib100", _A100_PEAK, {mesh_lib.DATA: _IB100, mesh_lib.STAGE: _IB100,
+                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
+                          _NVLINK_SOURCE + "; the data and stage axes cross nodes on 100 Gb/s InfiniBand (EDR: "
+                          "12.5 GB/s per device); fsdp and model inside a node; alpha 10 us across nodes assumed"),
+    "a100-eth10": Profile("a100-eth10", _A100_PEAK, {mesh_lib.DATA: _ETH10, mesh_lib.STAGE: _ETH10,
+                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
+                          _NVLINK_SOURCE + "; the data and stage axes cross nodes on 10 Gb/s Ethernet (1.25 GB/s "
+                          "per device); fsdp and model inside a node; alpha 50 us (TCP) assumed"),
 }
 
 _HELP = (f"expected a profile name ({', '.join(PROFILES)}) and/or comma-separated key=value items: flops=FLOP/s, "
