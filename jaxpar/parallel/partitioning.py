@@ -14,7 +14,12 @@ logical name to a mesh axis (or None = replicated). Rules come in two forms:
 
 Anything no rule names is replicated; names the model uses that no rule mentions are reported once (a typo like
 `mpl` must not silently replicate a big matrix). A rule naming a mesh axis the mesh lacks, or a tensor-parallel
-dimension that does not divide by its axis, is a `ShardingError` naming the parameter.
+or stage dimension that does not divide by its axis, is a `ShardingError` naming the parameter.
+
+Pipeline stages: a stacked block's parameters have a leading dimension named `layers` (`nnx.vmap` with
+`transform_metadata={nnx.PARTITION_NAME: "layers"}` puts it first), and the rule `layers -> stage` splits the
+layers over the stage axis, a contiguous run of them per stage. On a mesh with stage > 1 some parameter must be
+split over it: a model with nothing to pipeline is a `ShardingError` (one line saying what is missing).
 
 FSDP (ZeRO-3) placement only decides where bytes live, never the math, so with the default rules (`rules=None`)
 it bends instead of failing: a dimension mapped to the fsdp axis that does not divide moves the fsdp split to the
@@ -40,12 +45,16 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.errors import ShardingError
 from jaxpar.names import variable_name
 
+LAYERS = "layers"  # the logical name of a stacked block's leading (layer) dimension
+
 # Megatron-style tensor parallelism (attention heads, the MLP hidden dimension and the vocabulary over the tensor
-# axis) plus ZeRO-3 (the embedding dimension of every big matrix over the fsdp axis).
+# axis) plus ZeRO-3 (the embedding dimension of every big matrix over the fsdp axis), and a stacked block's layers
+# over the pipeline stages.
 DEFAULT_RULES: dict[str, str | None] = {
     "embed": mesh_lib.FSDP_AXIS,
     "heads": mesh_lib.TENSOR_AXIS,
     "kv": None,
+    LAYERS: mesh_lib.STAGE_AXIS,
     "mlp": mesh_lib.TENSOR_AXIS,
     "vocab": mesh_lib.TENSOR_AXIS,
 }
@@ -120,9 +129,13 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
             if strict or shape[dim] % mesh_lib.size(mesh, hard):
                 ways = mesh_lib.size(mesh, axes)
                 joined = "x".join(axes)
+                fix = f"a smaller {joined} axis, or map {logical!r} to None in the rules"
+                if axes == (mesh_lib.STAGE_AXIS,):  # unsplit layers would leave nothing to pipeline: no None
+                    fits = max(d for d in range(1, ways + 1) if shape[dim] % d == 0)
+                    fix = f"or a {joined} axis that divides {shape[dim]} (e.g. {joined}={fits})"
                 raise ShardingError(f"model dimension {logical!r} = {shape[dim]} (parameter {where}) is not divisible "
                                     f"by mesh axis {joined!r} of size {ways}; choose {logical} divisible by "
-                                    f"{ways}, a smaller {joined} axis, or map {logical!r} to None in the rules")
+                                    f"{ways}, {fix}")
             for axis in soft:
                 misplaced.append(axis)
                 del used[axis]
@@ -197,8 +210,12 @@ def is_variable(x) -> bool:
 
 
 def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, notes: PlanNotes | None = None):
-    """NamedShardings for an (abstract) nnx.State, from each Variable's logical names and the rules."""
+    """NamedShardings for an (abstract) nnx.State, from each Variable's logical names and the rules.
+
+    On a mesh with stage > 1, a state holding parameters none of which is split over the stage axis is a
+    `ShardingError` (see `check_stages`)."""
     ruled = {name for name, _ in normalize_rules(rules)}
+    params: list[tuple[tuple, P]] = []  # (logical names, spec) of each nnx.Param
 
     def one(path, variable):
         names = logical_names_of(variable) if is_variable(variable) else None
@@ -208,9 +225,31 @@ def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, note
             if names and any(n is not None for n in names):
                 notes.annotated += 1
                 notes.unruled.update(n for n in names if n is not None and n not in ruled)
-        return NamedSharding(mesh, spec_for(names, rules, mesh, variable_name(path, variable), shape, strict, notes))
+        spec = spec_for(names, rules, mesh, variable_name(path, variable), shape, strict, notes)
+        if isinstance(variable, nnx.Param):
+            params.append((tuple(names or ()), spec))
+        return NamedSharding(mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)
+    shardings = jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)
+    check_stages(params, mesh)
+    return shardings
+
+
+def check_stages(params, mesh: Mesh) -> None:
+    """On a mesh with stage > 1, some parameter (given as (logical names, spec) pairs) must be split over the stage
+    axis: otherwise every stage would hold and run the whole model, and the pipeline would have nothing to split.
+    No parameters at all (a state of buffers only) is not checked."""
+    stages = mesh_lib.size(mesh, mesh_lib.STAGE_AXIS)
+    if stages == 1 or not params or any(mesh_lib.STAGE_AXIS in split_axes(spec) for _, spec in params):
+        return
+    where = f"mesh {mesh_lib.STAGE_AXIS}={stages}"
+    no_stage = f"use a mesh without {mesh_lib.STAGE_AXIS}"
+    if any(LAYERS in names for names, _ in params):
+        raise ShardingError(f"{where}: the model's stacked layers (logical axis {LAYERS!r}) are not split over "
+                            f"stages because the rules do not map {LAYERS!r} to {mesh_lib.STAGE_AXIS!r}; add that "
+                            f"rule (jaxpar.DEFAULT_RULES has it), or {no_stage}")
+    raise ShardingError(f"{where}: the model has no stacked layers to split over stages (no parameter has the logical "
+                        f"axis {LAYERS!r}); build its repeated blocks with jaxpar.pipeline.Stack, or {no_stage}")
 
 
 def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, mesh: Mesh):
@@ -314,3 +353,19 @@ def bytes_per_device(abstract_tree, shardings) -> int:
             shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
         total += math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return total
+
+
+# --- pipeline stages ---------------------------------------------------------------------------------------------
+STAGE_SPLIT = P(mesh_lib.STAGE_AXIS)  # a leading dimension split over the stages (each holds its run of layers)
+
+
+def over_stages(fn, mesh: Mesh, in_specs, out_specs):
+    """`fn` in a `shard_map` manual over the stage axis only (the other axes stay automatic inside a stage); specs
+    are `STAGE_SPLIT` or `REPLICATED` (the same on every stage). Unchecked replication: the schedules send and
+    sum over the stage axis themselves. Inside a replica-manual shard_map (the explicit strategies) the stage map
+    nests in it, on the context's mesh (whose replica axis is already manual)."""
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        mesh = context
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={mesh_lib.STAGE_AXIS}, check_vma=False)
