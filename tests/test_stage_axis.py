@@ -37,6 +37,20 @@ def test_specs_parse_to_data_stage_fsdp_model_sizes(spec, shape):
     assert parse_mesh_spec(spec) == shape
 
 
+def test_four_positional_sizes_are_refused_saying_stage_is_given_by_name():
+    with pytest.raises(jaxpar.MeshError, match=r"^--mesh '2x2x2x2': 4 axes given but the short form has at most 3; "
+                                               r"the axes data, stage, fsdp, model can all be given by name \("):
+        parse_mesh_spec("2x2x2x2")
+
+
+def test_the_mesh_help_names_the_stage_forms():
+    from jaxpar.cli.help import describe
+
+    text = describe("mesh")
+    assert text.startswith("device mesh, axes data x stage x fsdp x model; ")
+    assert "'stage=4' or 'data=2,stage=2,model=2' (the model needs stacked layers)" in text
+
+
 def test_stage_given_twice_or_twice_minus_one_is_refused():
     with pytest.raises(jaxpar.MeshError, match=r"axis 'stage' given twice"):
         parse_mesh_spec("stage=2,stage=4")

@@ -31,7 +31,7 @@ _models = " | ".join(f"{name} ({spec.summary})" for name, spec in models.REGISTR
 @dataclass
 class Config:
     # --- mesh ---
-    mesh: str = _mesh("2x4", "device mesh, axes data x fsdp x model; -1 in one place = all remaining devices")
+    mesh: str = _mesh("2x4", "device mesh, axes data x stage x fsdp x model; -1 in one place = all remaining devices")
     rules: dict | list | None = _mesh(None, "logical axis -> mesh axis rules; None = jaxpar.DEFAULT_RULES with FSDP")
     # --- model (per-model fields and their defaults: models.REGISTRY) ---
     model: str = _arch(MODELS[0], f"built-in model: {_models}")  # the first of models.REGISTRY

@@ -9,7 +9,9 @@ from jaxpar.cli.options import APPLIES_TO, STRATEGIES, strategy_default
 
 MORE = {  # what --help adds to a declaration's one line
     "mesh": "'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model), or named, e.g. 'data=2,fsdp=2,model=2' "
-            "or 'fsdp=8' (absent axes have size 1). On a CPU-only machine the needed CPU devices are created",
+            "or 'fsdp=8' (absent axes have size 1); pipeline stages only by name, e.g. 'stage=4' or "
+            "'data=2,stage=2,model=2' (the model needs stacked layers). On a CPU-only machine the needed CPU devices "
+            "are created",
     "stragglers": "'3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded log-normal jitter",
     "hardware": "or 'flops=FLOP/s,alpha=s,bandwidth=B/s' (per axis: data.alpha=..., model.bandwidth=...), or a profile "
                 "followed by such overrides; also the peak of flops_utilization",

@@ -73,8 +73,8 @@ def parse_mesh_spec(spec: str) -> tuple[int, ...]:
     else:
         parts = text.lower().split("x")
         if len(parts) not in _POSITIONAL:
-            raise MeshError(f"--mesh {spec!r}: {len(parts)} axes given but a mesh has at most {len(AXES)}, "
-                            f"{', '.join(AXES)} ({_FORMS})")
+            raise MeshError(f"--mesh {spec!r}: {len(parts)} axes given but the short form has at most "
+                            f"{max(_POSITIONAL)}; the axes {', '.join(AXES)} can all be given by name ({_FORMS})")
         sizes = dict(zip(_POSITIONAL[len(parts)], (_parse_size(spec, p) for p in parts)))
     shape = tuple(sizes.get(axis, 1) for axis in AXES)
     if shape.count(-1) > 1:
