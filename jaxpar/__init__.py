@@ -16,6 +16,8 @@ from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, Ja
 from jaxpar.parallel.collectives import Communicator, communicator
 from jaxpar.parallel.mesh import make_mesh
 from jaxpar.parallel.partitioning import DEFAULT_RULES
+from jaxpar import pipeline
+from jaxpar.pipeline import Pipeline, Stack
 from jaxpar.runtime import distributed
 from jaxpar.runtime.resources import DeviceError
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
@@ -32,9 +34,9 @@ sys.modules[__name__ + ".distributed"] = distributed
 
 __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DEFAULT_RULES",
            "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
-           "ModelError", "OptionError", "PROFILES", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
-           "StepEvent", "Sync", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
-           "format_explain", "from_linen", "make_mesh", "parse_hardware"]
+           "ModelError", "OptionError", "PROFILES", "Pipeline", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
+           "Stack", "StepEvent", "Sync", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
+           "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline"]
 
 
 def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used

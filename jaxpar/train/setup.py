@@ -12,6 +12,7 @@ from jaxpar.checks import check_int
 from jaxpar.errors import ConfigError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
+from jaxpar.pipeline.config import Pipeline
 from jaxpar.strategies import StepContext
 from jaxpar.train.step import TrainState, check_optimizer, split_model
 
@@ -42,6 +43,16 @@ def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, gra
     if not isinstance(skip_nonfinite, bool):
         raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
                           f"not finite) or False (apply it)")
+
+
+def check_pipeline(pipeline) -> Pipeline:
+    """The trainer's `Pipeline` (default GPipe, one microbatch); anything else is a ConfigError."""
+    if pipeline is None:
+        return Pipeline()
+    if not isinstance(pipeline, Pipeline):
+        raise ConfigError(f"pipeline {pipeline!r}: pass a jaxpar.pipeline.Pipeline, e.g. "
+                          f"Pipeline('1f1b', microbatches=4)")
+    return pipeline
 
 
 class StatePlan(NamedTuple):

@@ -24,6 +24,9 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import ConfigError, ModelError
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.pipeline import scope as pipeline_scope
+from jaxpar.pipeline.config import ONE_F_ONE_B
 from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
@@ -137,6 +140,12 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
     """
     if accum > 1:
         return _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum)
+    scope = pipeline_scope.current()
+    if (scope is not None and scope.pipeline.schedule == ONE_F_ONE_B
+            and mesh_lib.size(scope.mesh, mesh_lib.STAGE_AXIS) > 1):
+        from jaxpar.pipeline import split  # 1F1B: the loss cut at the model's stack
+
+        return split.loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope)
 
     model = nnx.merge(graphdef, params, model_state)
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,

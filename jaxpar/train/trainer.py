@@ -34,13 +34,15 @@ from jaxpar.cost.hardware import compiled_cost, parse_hardware
 from jaxpar.errors import ConfigError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
+from jaxpar.pipeline import scope as pipeline_scope
+from jaxpar.pipeline.config import Pipeline
 from jaxpar.runtime.distributed import to_host
 from jaxpar.runtime.resources import check_fits, check_step_memory, device_error, step_flops
 from jaxpar.strategies import Strategy, Sync
 from jaxpar.train import loop
 from jaxpar.train.actions import Action
 from jaxpar.train.batches import BatchPlacer, indivisible_accum
-from jaxpar.train.setup import check_arguments, state_plan
+from jaxpar.train.setup import check_arguments, check_pipeline, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
 log = logging.getLogger("jaxpar")
@@ -60,6 +62,8 @@ class Trainer:
       strategy: how replicas agree (default `Sync()`).
       grad_accum: microbatches per update (must divide the per-replica batch).
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
+      pipeline: how a model's `jaxpar.pipeline.Stack` runs over the mesh's stage axis (`jaxpar.pipeline.Pipeline`:
+        schedule "gpipe", "circular" or "1f1b", microbatches, repeats); default GPipe with one microbatch.
       skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
         counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it and reports
         `nonfinite` = 1.0 (`actions.StopIfDiverged` then stops before that state is checkpointed).
@@ -76,8 +80,9 @@ class Trainer:
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
-                 hardware=None):
+                 hardware=None, pipeline: Pipeline | None = None):
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
+        self.pipeline = check_pipeline(pipeline)
         self.hardware = parse_hardware(hardware)
         self.mesh, self.strategy, self.skip_nonfinite = mesh, strategy or Sync(), skip_nonfinite
         self.rules = shd.DEFAULT_RULES if rules is None else rules
@@ -103,18 +108,22 @@ class Trainer:
         self.variants = self.strategy.steps(self.ctx)
         # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
         # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
-        self._steps = {name: jax.jit(guarded_step(variant, self.state_shardings, mesh, skip_nonfinite),
+        self._steps = {name: jax.jit(self._scoped(guarded_step(variant, self.state_shardings, mesh, skip_nonfinite)),
                                      in_shardings=(self.state_shardings, self.batch_sharding, None),
                                      out_shardings=(self.state_shardings,
                                                     None if variant.per_replica_metrics else shd.replicated(mesh)),
                                      donate_argnums=0)
                        for name, variant in self.variants.items()}
-        self._eval = jax.jit(self._eval_step, in_shardings=(self.state_shardings, self.batch_sharding),
+        self._eval = jax.jit(self._scoped(self._eval_step), in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=shd.replicated(mesh))
         # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given
         self.clock = self.strategy.clock.priced(self.variant_cost if self.hardware else None)
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
+    def _scoped(self, fn):
+        """`fn` tracing with this trainer's mesh and pipeline in scope (what a `jaxpar.pipeline.Stack` reads)."""
+        return pipeline_scope.within(self.mesh, self.pipeline, fn)
+
     def _init_state(self, seed) -> TrainState:
         return self._expand(self._neutral_state(seed))
 

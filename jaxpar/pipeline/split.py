@@ -1,0 +1,90 @@
+"""1F1B's training step: the loss cut at the model's one `Stack` into the part before it, the stacked layers and
+the part after it, so the last stage can apply the rest of the model and the loss to each microbatch as it leaves
+and start its backward at once.
+
+Nothing of the user's model or loss changes. The loss function is traced three ways (`jaxpar.pipeline.scope`):
+- capture: the whole loss on the whole batch with the stack recording its input (the rest is dead code and
+  compiled away); its `jax.vjp` later turns the stack input's cotangent into the gradients of the part before;
+- the stacked layers, stage by stage, in `one_f_one_b`;
+- replace: the loss on microbatch m with the stack standing in its output (the part before is dead code): the
+  head that `one_f_one_b` differentiates on the last stage.
+
+The step's loss and metrics are their means over microbatches, which equal the whole batch's for a loss that is a
+mean over examples (as under gradient accumulation). The model's non-parameter state is updated by the part before
+the stack (the capture pass); layers after the stack draw dropout per microbatch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.errors import ModelError
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
+from jaxpar.pipeline import scope as scope_lib
+from jaxpar.pipeline.schedules import one_f_one_b
+from jaxpar.pipeline.stack import Stack, merge_microbatches, split_microbatches
+
+
+def the_stack(model) -> tuple[tuple, Stack]:
+    """(path, module) of the model's one Stack; a ModelError names what 1F1B needs otherwise."""
+    found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+    if len(found) != 1:
+        what = "no jaxpar.pipeline.Stack" if not found else f"{len(found)} jaxpar.pipeline.Stack modules"
+        raise ModelError(f"--pipeline 1f1b: the model has {what}; 1F1B pipelines exactly one stack of blocks (use "
+                         f"--pipeline gpipe or circular for several)")
+    return found[0]
+
+
+def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
+    """`jaxpar.train.step.loss_and_grad` under 1F1B on a stage mesh: (loss, metrics, new model_state, grads)."""
+    from jaxpar.train.step import call_loss, make_rngs, split_model  # (the step module imports this one)
+
+    mesh, pipeline = scope.mesh, scope.pipeline
+    stages = mesh_lib.size(mesh, mesh_lib.STAGE_AXIS)
+    count = pipeline.microbatches
+    path, stack = the_stack(nnx.merge(graphdef, params, model_state))
+    prefix = tuple(path) + ("layers",)
+
+    def pre(p):
+        model = nnx.merge(graphdef, p, model_state)
+        with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.CAPTURE)) as inner:
+            call_loss(loss_fn, model, batch, make_rngs(key))
+        record = inner.record
+        return record["x"], (record["args"], record["key"], split_model(model)[2])
+
+    x, pull_pre, (args, stack_key, new_model_state) = jax.vjp(pre, params, has_aux=True)
+    pipeline.check_layers(stack.num_layers, stages, "jaxpar.pipeline.Stack")
+    pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack")
+    per = stack.num_layers // stages
+    in_stack = lambda p, _: tuple(p[:len(prefix)]) == prefix  # noqa: E731
+    stack_params, other_params = nnx.split_state(params, in_stack, ...)
+    layer_graphdef, _, rest = nnx.split(stack.layers, nnx.Param, ...)
+    stack._check_stateless(rest, stages)
+
+    def body(stack_p, other_p, state, batch, xs, args, key, step_key):
+        run = stack._chunk(layer_graphdef, args, key)
+        stage = jax.lax.axis_index(mesh_lib.STAGE_AXIS)
+
+        def stage_fn(layers, x, m):
+            return run(layers, rest, x, m, stage * per)[0]
+
+        def head_fn(other, y, m):
+            model = nnx.merge(graphdef, nnx.merge_state(other, stack_p), state)
+            micro = jax.tree.map(lambda a: split_microbatches(a, count)[m], batch)
+            with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.REPLACE, output=y)):
+                return call_loss(loss_fn, model, micro, make_rngs(jax.random.wrap_key_data(step_key)))
+
+        return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS)
+
+    whole, split = shd.REPLICATED, shd.STAGE_SPLIT
+    mapped = shd.over_stages(body, mesh, (split, whole, whole, whole, whole, whole, whole, whole),
+                             (whole, whole, split, whole, whole))
+    loss, metrics, stack_grads, other_grads, input_grads = mapped(
+        stack_params, other_params, model_state, batch, split_microbatches(x, count), args, stack_key,
+        jax.random.key_data(key))
+    (pre_grads,) = pull_pre(merge_microbatches(input_grads).astype(x.dtype))
+    grads = jax.tree.map(jnp.add, pre_grads, nnx.merge_state(other_grads, stack_grads))
+    return loss, metrics, new_model_state, grads
