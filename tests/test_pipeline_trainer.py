@@ -100,7 +100,8 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 
 
-@pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1)],
+@pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1),
+                                      jaxpar.ASP()],
                          ids=lambda s: type(s).__name__)
 def test_the_pipeline_runs_inside_each_replica_of_the_explicit_strategies(strategy):
     assert_same(train("data=2,stage=2,model=2", Pipeline("1f1b", 4), strategy=strategy),

@@ -65,9 +65,10 @@ class Pipeline:
 
     def check_microbatches(self, rows: int, stages: int, where: str = "batch") -> None:
         if rows % self.microbatches:
-            raise ConfigError(f"{where} of {rows} rows does not split into --microbatches {self.microbatches}; use "
-                              f"a microbatch count that divides it")
+            raise ConfigError(f"{where} of {rows} rows does not split into --microbatches {self.microbatches} "
+                              f"(Pipeline(microbatches={self.microbatches})); use a microbatch count that divides "
+                              f"{rows}")
         if self.schedule == CIRCULAR and self.rounds > 1 and self.microbatches < stages:
-            raise ConfigError(f"--pipeline circular with --microbatches {self.microbatches} on {stages} stages: "
-                              f"the circular schedule needs at least as many microbatches as stages; use "
-                              f"--microbatches {stages} or more")
+            raise ConfigError(f"--pipeline circular with --microbatches {self.microbatches} on {stages} stages "
+                              f"(Pipeline('circular', microbatches={self.microbatches})): the circular schedule needs "
+                              f"at least as many microbatches as stages; use --microbatches {stages} or more")
