@@ -41,6 +41,7 @@ import time
 
 import jaxpar
 from benchmarks import common
+from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.mesh import batch_ways, parse_mesh_spec
 
 TRAIN_SIZE = 1497  # digits training split (jaxpar.io.data.load_digits)
@@ -105,7 +106,8 @@ def main():
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         parser.error(f"--out {args.out!r}: its folder does not exist")
     try:
-        data_axis = math.prod(parse_mesh_spec(args.mesh)[:2])  # data x fsdp: the batch axes (negative: -1 given)
+        shape = dict(zip(mesh_lib.AXES, parse_mesh_spec(args.mesh)))
+        data_axis = math.prod(shape[axis] for axis in mesh_lib.BATCH_AXES)  # the batch axes (negative: -1 given)
     except jaxpar.MeshError as error:
         parser.error(str(error))
     for batch in batches:

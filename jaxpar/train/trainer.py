@@ -1,4 +1,4 @@
-"""Trainer: init / step / evaluate / fit for any Flax NNX model on a (data, fsdp, model) mesh.
+"""Trainer: init / step / evaluate / fit for any Flax NNX model on a (data, stage, fsdp, model) mesh.
 
     import jaxpar, optax
     trainer = jaxpar.Trainer(model=lambda rngs: MyModel(rngs=rngs), loss_fn=my_loss,
@@ -56,7 +56,7 @@ class Trainer:
       loss_fn: `(model, batch) -> (loss, metrics)` or `(model, batch, rngs) -> (loss, metrics)`; in the second
         form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.train.step`).
       optimizer: an optax GradientTransformation (e.g. `optax.adamw(1e-3)`, not the string "adamw").
-      mesh: from `jaxpar.make_mesh` (a `Mesh` with Auto axes data, fsdp, model).
+      mesh: from `jaxpar.make_mesh` (a `Mesh` with Auto axes data, stage, fsdp, model).
       rules: logical axis name -> mesh axis, a dict or Flax's list of pairs. None: `DEFAULT_RULES`, with automatic
         FSDP placement (a dimension that does not divide by fsdp moves or stays whole, and is reported).
       strategy: how replicas agree (default `Sync()`).
