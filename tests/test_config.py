@@ -206,6 +206,10 @@ def test_models_read_resolved_configs(monkeypatch):
     ({"rules": [("mlp",)]}, "rules [('mlp',)]: must map logical axis names"),
     ({"rules": [("mlp", 3)]}, "rules [('mlp', 3)]: must map"),
     ({"rules": "mlp=model"}, "rules 'mlp=model': must map"),
+    ({"pipeline": "pipedream"}, "--pipeline 'pipedream' is not a pipeline schedule"),
+    ({"microbatches": 0}, "--microbatches 0: must be an integer >= 1"),
+    ({"repeats": 2}, "--repeats 2 applies only to --pipeline circular (got gpipe)"),
+    ({"mesh": "stage=2", "layers": 3}, "--layers 3 does not divide by the stage axis of size 2"),
 ])
 def test_checks_are_one_line_config_errors(changes, message):
     with pytest.raises(jaxpar.JaxparError) as raised:  # ConfigError; MeshError for --mesh

@@ -1,8 +1,9 @@
 """The global batch sizes of a run, checked against the devices the batch is split over (`indivisible_batch`'s one
-message) and --grad-accum."""
+message), --grad-accum and --microbatches."""
 
 from __future__ import annotations
 
+from jaxpar.cli.pipelining import indivisible_microbatches
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.train.batches import indivisible_accum, indivisible_batch
@@ -11,7 +12,7 @@ from jaxpar.train.schedules import parse_batch_ramp
 
 def batch_sizes(config, ways: int, replicas: int) -> list[int]:
     """Every global batch size the run will use (ramp stages that start at or after --steps never run and are not
-    checked), checked against the batch axes and --grad-accum."""
+    checked), checked against the batch axes, --grad-accum and --microbatches."""
     if config.batch_ramp:
         sizes = [size for start, size in parse_batch_ramp(config.batch_ramp, ways, config.steps)
                  if start < config.steps]
@@ -23,6 +24,9 @@ def batch_sizes(config, ways: int, replicas: int) -> list[int]:
         if problem:
             raise ConfigError(problem)
         problem = indivisible_accum(size, replicas, config.grad_accum, flag)
+        if problem:
+            raise ConfigError(problem)
+        problem = indivisible_microbatches(config, size, replicas, flag)
         if problem:
             raise ConfigError(problem)
     return sizes

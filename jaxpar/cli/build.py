@@ -1,4 +1,5 @@
-"""Building a run from a config: its datasets, batch sizes, lr schedule, optimizer, strategy, model and trainer.
+"""Building a run from a config: its datasets, batch sizes, lr schedule, optimizer, strategy, pipeline, model and
+trainer.
 
 Everything here checks before anything is written: a bad input fails with one line and leaves no file behind.
 """
@@ -15,6 +16,7 @@ import models
 from jaxpar import strategies
 from jaxpar.cli.batching import batch_sizes, static_batch_sizes
 from jaxpar.cli.config import Config
+from jaxpar.cli.pipelining import check_stages, pipeline_of
 from jaxpar.strategies import BN_LOCAL
 from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError
 from jaxpar.io import data
@@ -90,6 +92,7 @@ def build(config: Config) -> Built:
             f"--mesh {config.mesh}: the {mesh_lib.TENSOR_AXIS} axis spans processes (each has "
             f"{len(mesh.local_devices)} devices): its per-layer collectives cross hosts; a {mesh_lib.TENSOR_AXIS} axis "
             f"of at most {len(mesh.local_devices)} stays inside one")
+    check_stages(config, mesh_lib.size(mesh, mesh_lib.STAGE_AXIS))  # (a -1 in --mesh is known only now)
     ways, replicas = mesh_lib.batch_ways(mesh), mesh_lib.replica_count(mesh)
     batch_sizes(config, ways, replicas)
     if config.eval_batches and len(held_out) < ways:
@@ -104,7 +107,8 @@ def build(config: Config) -> Built:
         trainer = Trainer(model=models.factory(config, bn_groups=bn_groups), loss_fn=models.loss_for(config),
                           eval_loss_fn=models.LOSSES[config.model], optimizer=make_optimizer(config, schedule),
                           mesh=mesh, rules=config.rules, strategy=strategy, grad_accum=config.grad_accum,
-                          skip_nonfinite=config.on_nonfinite == "skip", hardware=config.hardware)
+                          skip_nonfinite=config.on_nonfinite == "skip", hardware=config.hardware,
+                          pipeline=pipeline_of(config))
     except ShardingError as error:
         raise as_flag_error(error, config) from None
     train_batches.rows = trainer.local_rows  # each process loads only its rows of every global batch

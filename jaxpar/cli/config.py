@@ -22,9 +22,10 @@ from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.values import OPTIMIZERS, parse_decay_steps
 from jaxpar.cost.hardware import PROFILES
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
+from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES
 
-_mesh, _arch, _data, _optim, _strategy, _large, _run, _faults, _procs = map(section, GROUPS)
+_mesh, _pipe, _arch, _data, _optim, _strategy, _large, _run, _faults, _procs = map(section, GROUPS)
 _models = " | ".join(f"{name} ({spec.summary})" for name, spec in models.REGISTRY.items())
 
 
@@ -33,6 +34,12 @@ class Config:
     # --- mesh ---
     mesh: str = _mesh("2x4", "device mesh, axes data x stage x fsdp x model; -1 in one place = all remaining devices")
     rules: dict | list | None = _mesh(None, "logical axis -> mesh axis rules; None = jaxpar.DEFAULT_RULES with FSDP")
+    # --- pipeline: how a model's jaxpar.pipeline.Stack runs over the stage axis (cross checks: cli/pipelining.py) ---
+    pipeline: str = _pipe(SCHEDULES[0], f"schedule of the stacked layers over the stage axis: {' | '.join(SCHEDULES)}")
+    microbatches: int = _pipe(1, "M pieces the batch is cut into on its way through the stacked layers; must divide "
+                                 "the per-replica batch / --grad-accum")
+    repeats: int = _pipe(1, "R chunks of layers per stage under --pipeline circular (a smaller bubble); --layers "
+                            "must divide by stages x R")
     # --- model (per-model fields and their defaults: models.REGISTRY) ---
     model: str = _arch(MODELS[0], f"built-in model: {_models}")  # the first of models.REGISTRY
     dtype: str = _arch("float32", "compute dtype float32 | bfloat16 (parameters and optimizer state stay float32)")

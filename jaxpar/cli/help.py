@@ -12,6 +12,13 @@ MORE = {  # what --help adds to a declaration's one line
             "or 'fsdp=8' (absent axes have size 1); pipeline stages only by name, e.g. 'stage=4' or "
             "'data=2,stage=2,model=2' (the model needs stacked layers). On a CPU-only machine the needed CPU devices "
             "are created",
+    "pipeline": "with S stages, M --microbatches, R --repeats: gpipe: autodiff through the forward ticks, activation "
+                "memory grows with M; circular: R chunks of layers per stage, bubble (S-1)/(RM+S-1); 1f1b: a forward "
+                "and a backward alternate on every stage, at most S stage inputs kept whatever M. Acts on a mesh "
+                "with stage > 1 and a model with stacked layers (the transformer)",
+    "microbatches": "more microbatches shrink the bubble (S-1)/(M+S-1); with dropout on, part of the math (masks are "
+                    "drawn per microbatch, the same on every mesh)",
+    "repeats": "R > 1 needs --microbatches >= stages",
     "stragglers": "'3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded log-normal jitter",
     "hardware": "or 'flops=FLOP/s,alpha=s,bandwidth=B/s' (per axis: data.alpha=..., model.bandwidth=...), or a profile "
                 "followed by such overrides; also the peak of flops_utilization",

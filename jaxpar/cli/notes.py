@@ -8,6 +8,7 @@ import math
 from jaxpar import strategies
 from jaxpar.cli.config import Config
 from jaxpar.cli.defaults import given
+from jaxpar.cli.pipelining import blocks_field, spec_stages
 from jaxpar.train.schedules import parse_batch_ramp
 
 
@@ -42,7 +43,22 @@ def run_notes(config: Config) -> list[str]:
     if given(config, "max_skips") and config.on_nonfinite == "abort":
         notes.append(f"--max-skips {config.max_skips} with --on-nonfinite abort: no step is skipped, the first "
                      f"non-finite step aborts the run (--max-skips applies to --on-nonfinite skip)")
-    return notes
+    return notes + pipeline_notes(config)
+
+
+def pipeline_notes(config: Config) -> list[str]:
+    """The pipeline flags that cannot act: no stacked layers in the model, or no stage axis to pipeline over."""
+    stages = spec_stages(config)  # None: a -1 in --mesh; the stage count is not known yet
+    scheduled = [f"--{name} {getattr(config, name)}" for name in ("pipeline", "repeats") if given(config, name)]
+    if blocks_field(config) is None:
+        changed = scheduled + ([f"--microbatches {config.microbatches}"] if given(config, "microbatches") else [])
+        if changed and stages == 1:  # (stage > 1: the partitioner refuses the model with one line)
+            return [f"{', '.join(changed)}: --model {config.model} has no stacked layers (jaxpar.pipeline.Stack), so "
+                    f"nothing is pipelined or microbatched"]
+    elif scheduled and stages == 1:
+        return [f"{', '.join(scheduled)} on --mesh {config.mesh}, which has no stage axis: nothing is pipelined, the "
+                f"stacked layers run as one scan (--microbatches still cuts the batch); add e.g. stage=2 to --mesh"]
+    return []
 
 
 def divergence_hint(config: Config, size_at):

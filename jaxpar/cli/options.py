@@ -14,8 +14,8 @@ from typing import Any, Callable
 import models
 from jaxpar import strategies as strategies_lib
 
-GROUPS = ("mesh", "architecture", "dataset", "optimizer", "strategy", "large batch", "run", "checkpoints and faults",
-          "processes")
+GROUPS = ("mesh", "pipeline", "architecture", "dataset", "optimizer", "strategy", "large batch", "run",
+          "checkpoints and faults", "processes")
 PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
 MODELS = models.MODELS
 STRATEGIES = tuple(strategies_lib.REGISTRY)

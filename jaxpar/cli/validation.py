@@ -12,6 +12,7 @@ from jaxpar.cli.defaults import applies
 from jaxpar.cli.options import APPLIES_TO, PRIMARY, shown
 from jaxpar.strategies import BN_SYNC
 from jaxpar.cli.paths import is_or_inside
+from jaxpar.cli.pipelining import check_repeats, check_stages, spec_stages
 from jaxpar.cli.values import finite_check
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
@@ -86,6 +87,8 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"--resume-step {config.resume_step}: applies only with --resume; add --resume")
     if config.lr_decay_steps is not None and config.lr_schedule != "step":
         raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
+    check_repeats(config)
+    check_stages(config, spec_stages(config))  # a -1 in --mesh: checked again once the mesh exists
     if config.bn == BN_SYNC and strategies_lib.from_config(config).local_statistics:
         raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies_lib.WHOLE_BATCH)} without --allreduce; "
                           f"the explicit strategies normalise each replica's slice (use --bn local)")

@@ -18,6 +18,7 @@ from jaxpar.cost.simulator import parse_stragglers
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
 from jaxpar.parallel.mesh import parse_mesh_spec
+from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 
 Check = Callable[[str, Any], "str | None"]
@@ -109,6 +110,9 @@ def _coordinator(value) -> bool:
 CHECKS: dict[str, tuple[Check, ...]] = {
     "mesh": (parses(parse_mesh_spec),),
     "rules": (rules_check,),
+    "pipeline": (one_of(SCHEDULES, noun="pipeline schedule"),),
+    "microbatches": (at_least(1),),
+    "repeats": (at_least(1),),
     "model": (one_of(MODELS, noun="model"),),
     "dtype": (one_of(DTYPES),),
     "dropout": (within(lambda v: 0 <= v < 1, "must be in [0, 1)"),),
