@@ -8,12 +8,17 @@ allocated, nothing trains):
 - per compiled step variant: XLA's memory analysis (arguments, outputs, temporaries) against a device's memory;
 - per variant: its collectives grouped by kind and mesh axes (count, result bytes and bytes sent per device), next
   to what theory says the strategy and mesh should send, and a flag on anything theory does not explain;
-- FLOPs per step (XLA's cost analysis) and the model FLOPs per token (6 x parameters, the usual forward + backward
-  estimate) where the batch holds tokens;
+- FLOPs per step (XLA's cost analysis, with every while body counted its trip count times: `jaxpar.cost.hlo.
+  loop_flops`) and the model FLOPs per token (6 x parameters, the usual forward + backward estimate) where the
+  batch holds tokens;
+- collectives per step: an op inside a while loop (a pipeline's ticks, gradient accumulation) counts as many times
+  as the loops around it run (`jaxpar.cost.hlo`); the line says how many ops and loops it came from;
+- for a pipelined trainer: the schedule's ticks, bubble and stage traffic from the compiled step against theory
+  (`jaxpar.cost.pipelines`);
 - with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.cost.hardware`), and a
   projected mean step time for every strategy, marked as a projection.
 
-Why about 340 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
+Why about 370 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
 """
 from __future__ import annotations
 
@@ -23,15 +28,16 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxpar.cost import pipelines
 from jaxpar.cost.hardware import collective_seconds
-from jaxpar.cost.hlo import bytes_sent, collective_ops
+from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.names import named_leaves
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import theoretical_traffic
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
 from jaxpar.strategies import REGISTRY
 
-DATA, FSDP, MODEL = mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL
+DATA, STAGE, FSDP, MODEL = mesh_lib.DATA, mesh_lib.STAGE, mesh_lib.FSDP, mesh_lib.MODEL
 
 
 def _spec(sharding) -> str:
@@ -151,6 +157,13 @@ def _expected(op, variant: str, trainer) -> bool:
         return op.bytes <= 64 and op.kind == "all-reduce" and jax.process_count() > 1
     if op.bytes <= 64 and op.kind == "all-reduce":
         return True  # scalars: metric means and the non-finite flag
+    if STAGE in axes and pipelines.pipelined(trainer):
+        # the ticks' permutes, sums over the stages, the last stage's outputs sent back; under circular, the
+        # stacked parameters re-cut into each stage's chunks (all-to-all / permutes) and their gradients back
+        if op.kind in ("collective-permute", "all-reduce"):
+            return True
+        if op.kind == "all-to-all" and trainer.pipeline.rounds > 1:
+            return True
     if DATA in axes:
         if op.kind == "all-reduce":
             return not local
@@ -169,11 +182,15 @@ def _communication(ops, variant, trainer, profile) -> list[dict]:
     for op in ops:
         key = (op.kind, "+".join(op.axes) if op.axes else "-", op.group)
         entry = groups.setdefault(key, {"kind": op.kind, "axes": key[1], "group": op.group, "count": 0, "bytes": 0,
-                                        "bytes_sent_per_device": 0.0, "unexpected": 0})
-        entry["count"] += 1
-        entry["bytes"] += op.bytes
+                                        "bytes_sent_per_device": 0.0, "unexpected": 0, "ops": 0, "loops": {}})
+        entry["ops"] += 1  # ops in the program; count, bytes and bytes sent are per step (times their loops' runs)
+        entry["count"] += op.runs
+        entry["bytes"] += op.bytes * op.runs
         entry["bytes_sent_per_device"] += bytes_sent(op)
         entry["unexpected"] += not _expected(op, variant, trainer)
+        if op.loops:  # trips of the loops around it, outermost first ("?": unknown, counted once) -> ops
+            trips = " x ".join("?" if trip is None else str(trip) for _, trip in op.loops)
+            entry["loops"][trips] = entry["loops"].get(trips, 0) + 1
         if profile is not None:
             entry["seconds"] = entry.get("seconds", 0.0) + collective_seconds(op, profile)
     return sorted(groups.values(), key=lambda e: (e["axes"], e["kind"]))
@@ -182,14 +199,14 @@ def _communication(ops, variant, trainer, profile) -> list[dict]:
 def busiest_sent(ops, devices: int) -> dict:
     """Per mesh axis, the bytes the busiest device sends over it in one step: a ring algorithm's share for group
     collectives (`jaxpar.cost.hlo.bytes_sent`), and for a collective-permute only its sources (a parameter server's
-    root sends (N-1) x B while every other replica sends B)."""
+    root sends (N-1) x B while every other replica sends B); an op in a loop as many times as it runs."""
     per_axis: dict = {}
     for op in ops:
         for axis in op.axes or ():
             sent = per_axis.setdefault(axis, np.zeros(devices))
             if op.kind == "collective-permute":
                 for source, _ in op.pairs:
-                    sent[source] += op.bytes
+                    sent[source] += op.bytes * op.runs
             else:
                 sent += bytes_sent(op)
     return {axis: float(sent.max()) for axis, sent in per_axis.items()}
@@ -220,9 +237,12 @@ def explain(trainer, batch, blocks: int | None = None) -> dict:
     for variant, facts in _variants(trainer).items():
         compiled = trainer.compiled_step(variant, batch, facts["inputs"])
         ops = collective_ops(compiled, mesh)
-        flops = step_flops(compiled)
+        counted = loop_flops(compiled, step_flops(compiled))
+        flops = counted.per_device
         entry = {"share": facts["share"], "memory": step_bytes(compiled),
                  "flops_per_device": flops, "flops": None if flops is None else flops * mesh.size,
+                 "xla_flops_per_device": counted.xla, "flops_note": counted.note,
+                 "unknown_loops": unknown_loops(ops), "pipeline": pipelines.report(trainer, batch, ops),
                  "communication": _communication(ops, variant, trainer, profile),
                  "busiest_sent": busiest_sent(ops, mesh.size),
                  "theory": theory(trainer, variant, blocks)}
@@ -302,14 +322,20 @@ def format_explain(report: dict) -> str:
                          f"outputs {m['outputs']:,}, temporaries {m['temporaries']:,}, donated {m['donated']:,})")
         if v["flops"]:
             per_token = f"; {v['flops_per_token']:,.0f} per token" if v.get("flops_per_token") else ""
+            loops = (f"; {v['flops_note']}: XLA's own count is {v['xla_flops_per_device']:,.0f} per device"
+                     if v.get("flops_note") else "")
             lines.append(f"  FLOPs per step: {v['flops']:,.0f} on all devices ({v['flops_per_device']:,.0f} per "
-                         f"device){per_token}")
+                         f"device){per_token}{loops}")
         lines.append("  collectives (compiled HLO): kind over axes (group) x count: result bytes, sent per device")
         for c in v["communication"]:
             flag = f"   <- UNEXPECTED x{c['unexpected']}: not explained by the strategy and mesh" if c["unexpected"] else ""
             seconds = f", {c['seconds'] * 1e6:,.1f} us projected" if "seconds" in c else ""
+            looped = ""
+            if c.get("loops"):
+                inside = ", ".join(f"{n} in loops of {trips} trips" for trips, n in c["loops"].items())
+                looped = f" (per step: {c['ops']} op(s) in the program, {inside})"
             lines.append(f"    {c['kind']} over {c['axes']} (g={c['group']}) x {c['count']}: {_fmt_bytes(c['bytes'])}, "
-                         f"sent {_fmt_bytes(c['bytes_sent_per_device'])}{seconds}{flag}")
+                         f"sent {_fmt_bytes(c['bytes_sent_per_device'])}{seconds}{looped}{flag}")
         if not v["communication"]:
             lines.append("    none")
         if v["busiest_sent"]:
@@ -321,6 +347,11 @@ def format_explain(report: dict) -> str:
             over = (f" ({t['per_step_over_period']:,.0f} per step averaged over the period)"
                     if "per_step_over_period" in t else "")
             lines.append(f"  theory, {t['axis']}: {t['what']}{expected}{over}")
+        if v.get("unknown_loops"):
+            lines.append(f"  while loops of unknown trip count, their collectives counted once per step: "
+                         f"{', '.join(v['unknown_loops'])}")
+        if v.get("pipeline"):
+            lines += pipelines.lines(v["pipeline"])
         if "projected_seconds" in v:
             p = v["projected_seconds"]
             lines.append(f"  PROJECTED on {report['hardware']['name']}: compute {p['compute'] * 1e3:.4g} ms + "

@@ -3,8 +3,11 @@
 A profile gives each device's peak FLOP/s and, per mesh axis, the link its collectives run over: a latency alpha
 (seconds per message) and a bandwidth beta (bytes per second, one direction, per device). A step variant then costs
 
-    compute = its per-device FLOPs (XLA's cost analysis) / peak
-    comm    = the sum over the collectives it really contains (`jaxpar.cost.hlo.collective_ops`) of
+    compute = its per-device FLOPs / peak: XLA's cost analysis, which counts a while body once, with every loop
+              body counted its trip count times (`jaxpar.cost.hlo.loop_flops`)
+    comm    = the sum over the collectives it really contains (`jaxpar.cost.hlo.collective_ops`), each times the
+              number of times it runs per step (the trip counts of the while loops around it: a pipeline's ticks,
+              gradient accumulation), of
               all-reduce       2(g-1) alpha + 2(g-1)/g R / beta      (ring / bandwidth-optimal)
               all-gather        (g-1) alpha +  (g-1)/g R / beta
               reduce-scatter    (g-1) alpha +   (g-1)  R / beta      (R = the scattered result)
@@ -133,19 +136,22 @@ def parse_hardware(spec) -> Profile | None:
 
 
 def collective_seconds(op, profile: Profile) -> float:
-    """Alpha-beta seconds of one `jaxpar.cost.hlo.Collective` on `profile` (see the module docstring)."""
+    """Alpha-beta seconds of one `jaxpar.cost.hlo.Collective` on `profile` in one step (see the module docstring):
+    one run's price times `op.runs`, the times it runs per step (an op in a pipeline's ticks runs every tick)."""
     g, r = op.group, op.bytes
     if op.kind != "collective-permute" and g <= 1:
         return 0.0
     link = profile.link(op.axes or ())
     alpha, beta = link.alpha, link.bandwidth
     if op.kind == "collective-permute":
-        return alpha + r / beta
-    if op.kind == "all-reduce":
-        return 2 * (g - 1) * alpha + 2 * (g - 1) / g * r / beta
-    if op.kind == "reduce-scatter":
-        return (g - 1) * alpha + (g - 1) * r / beta
-    return (g - 1) * alpha + (g - 1) / g * r / beta  # all-gather, all-to-all
+        once = alpha + r / beta
+    elif op.kind == "all-reduce":
+        once = 2 * (g - 1) * alpha + 2 * (g - 1) / g * r / beta
+    elif op.kind == "reduce-scatter":
+        once = (g - 1) * alpha + (g - 1) * r / beta
+    else:  # all-gather, all-to-all
+        once = (g - 1) * alpha + (g - 1) / g * r / beta
+    return once * getattr(op, "runs", 1)
 
 
 class StepCost(NamedTuple):
@@ -159,11 +165,12 @@ UNIT = StepCost()  # no profile: one unit of compute per step, communication fre
 
 
 def compiled_cost(compiled, mesh, profile: Profile) -> StepCost:
-    """The `StepCost` of a compiled step (`jax.stages.Compiled`) on `mesh`, priced on `profile`."""
-    from jaxpar.cost.hlo import collective_ops
+    """The `StepCost` of a compiled step (`jax.stages.Compiled`) on `mesh`, priced on `profile`: loops counted as
+    many times as they run (FLOPs and collectives; see the module docstring)."""
+    from jaxpar.cost.hlo import collective_ops, loop_flops
     from jaxpar.runtime.resources import step_flops
 
-    return step_cost(step_flops(compiled), collective_ops(compiled, mesh), profile)
+    return step_cost(loop_flops(compiled, step_flops(compiled)).per_device, collective_ops(compiled, mesh), profile)
 
 
 def step_cost(flops_per_device: float | None, collectives, profile: Profile) -> StepCost:
