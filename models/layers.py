@@ -22,6 +22,12 @@ def layer_norm(features: int, name: str, rngs: nnx.Rngs, dtype=None) -> nnx.Laye
                          bias_init=nnx.with_partitioning(_zeros, (name,)))
 
 
+def rms_norm(features: int, name: str, rngs: nnx.Rngs, dtype=None, epsilon: float = 1e-6) -> nnx.RMSNorm:
+    """RMSNorm, scale only: x / sqrt(mean(x^2 over the last axis) + epsilon) * scale, its scale named `name`."""
+    return nnx.RMSNorm(features, epsilon=epsilon, rngs=rngs, dtype=dtype,
+                       scale_init=nnx.with_partitioning(_ones, (name,)))
+
+
 class BatchNorm(nnx.Module):
     """BatchNorm over the leading (example) axis, with the batch split into `groups` for its statistics.
 

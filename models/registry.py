@@ -10,11 +10,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from models.batches import BatchKey, checked
+from models.batches import BatchKey, check_batch, checked
 from models.cnn import CNN
 from models.losses import classification_loss, lm_loss
 from models.mlp import MLP
-from models.transformer import Transformer
+from models.transformer import BLOCKS, Transformer
 
 DIGITS = "digits"  # scikit-learn's 8x8 digits, 10 classes
 TEXT = "text"  # bytes of a text file or folder
@@ -26,7 +26,7 @@ class ModelSpec:
 
     summary: str  # for --help
     build: Callable[..., Callable]  # (config, dtype, bn_groups) -> (rngs -> nnx.Module)
-    loss: Callable  # (model, batch, label_smoothing=0.0) -> (loss, metrics), checking the batch first
+    loss: Callable  # (model, batch[, rngs], label_smoothing=0.0) -> (loss, metrics), checking the batch first
     defaults: dict[str, Any]  # the config fields that apply only to this model -> their defaults (None: derived)
     dataset: str  # DIGITS | TEXT
     dimensions: dict[str, str] = field(default_factory=dict)  # logical axis name -> the config field that sets it
@@ -34,9 +34,10 @@ class ModelSpec:
 
 
 def _transformer(config, dtype, bn_groups):
+    block = getattr(config, "block", None) or BLOCKS[0]
     return lambda rngs: Transformer(vocab=config.vocab, seq_len=config.seq_len, layers=config.layers,
                                     d_model=config.d_model, heads=config.heads, d_ff=config.d_ff,
-                                    dropout=config.dropout, dtype=dtype, rngs=rngs)
+                                    dropout=config.dropout, dtype=dtype, block=block, rngs=rngs)
 
 
 def _mlp(config, dtype, bn_groups):
@@ -61,15 +62,25 @@ _IMAGE = BatchKey("image", "floating", lambda shape, model: len(shape) == 4 and 
                   lambda model: f"[B, H, W, {model.in_channels}]")
 
 
+def lm_loss_with_rngs(model, batch, rngs=None, label_smoothing: float = 0.0):
+    """The transformer's loss: `lm_loss` with the model called as `model(inputs, rngs=rngs)`, its batch checked
+    first. The trainer passes fresh dropout rngs every step (a loss with an `rngs` parameter, `jaxpar.train.step`):
+    the transformer's Dropout modules own no RNG streams, so its stacked blocks can be pipelined."""
+    check_batch("transformer", batch, model, (_TOKENS,))
+    return lm_loss(functools.partial(model, rngs=rngs), batch, label_smoothing)
+
+
 def _size(shape) -> int:
     return functools.reduce(lambda a, b: a * b, shape, 1)
 
 
 REGISTRY: dict[str, ModelSpec] = {
     "transformer": ModelSpec(
-        "byte-level LM", _transformer, checked("transformer", lm_loss, (_TOKENS,)),
-        {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 128, "vocab": 256, "data": None},
-        TEXT, {"mlp": "d_ff", "heads": "heads", "vocab": "vocab", "embed": "d_model"}, blocks="layers"),
+        "byte-level LM, Llama-style blocks stacked", _transformer, lm_loss_with_rngs,
+        {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq_len": 128, "vocab": 256, "block": BLOCKS[0],
+         "data": None},
+        TEXT, {"mlp": "d_ff", "heads": "heads", "vocab": "vocab", "embed": "d_model", "layers": "layers"},
+        blocks="layers"),
     "mlp": ModelSpec("digits classifier", _mlp, checked("mlp", classification_loss, (_FLAT_IMAGE, _LABEL)),
                      {"hidden": 128}, DIGITS, {"mlp": "hidden"}),
     "cnn": ModelSpec("digits classifier with BatchNorm", _cnn, checked("cnn", classification_loss, (_IMAGE, _LABEL)),

@@ -45,6 +45,8 @@ class Config:
     dtype: str = _arch("float32", "compute dtype float32 | bfloat16 (parameters and optimizer state stay float32)")
     dropout: float = _arch(0.1, "dropout rate of the model")
     layers: int | None = _arch(None, "transformer blocks")
+    block: str | None = _arch(None, "transformer block: llama (RMSNorm, rotary positions, SwiGLU, no biases) | gpt "
+                                    "(LayerNorm, learned positions, GELU: the unstacked model's, for its checkpoints)")
     d_model: int | None = _arch(None, "width of the residual stream")
     heads: int | None = _arch(None, "attention heads; must divide --d-model, and divide by the model-axis size")
     d_ff: int | None = _arch(None, "transformer MLP width; must divide by the model-axis size")

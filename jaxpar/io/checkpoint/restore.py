@@ -21,6 +21,8 @@ NESTED_FIELDS = ("strategy_state",)  # TrainState fields that hold a dict of nam
 # learning-rate schedule's count saved by run.py's optimizer, restored with a constant-rate one)
 DROPPED_IF_EXTRA = ("opt_state",)
 UNCHANGED_NOTE = "its parameters and optimizer state carry over unchanged"  # a checkpoint of no known strategy
+STACKED_NOTE = ("its per-layer arrays ({old}, ...) were stacked into the layout of this model's stacked blocks "
+                "({new}, ...)")  # an unstacked model's checkpoint (see stack_layers)
 
 
 def restore_state(checkpoints, step: int, meta: dict, trainer) -> tuple[object, list[str]]:
@@ -62,6 +64,7 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
             problems.append(f"it holds the state of strategy {meta.get('strategy')!r}, which this jaxpar does not "
                             f"know")
     values = unnest(reduced) if reduced is not None else {}
+    values, stacked = stack_layers(values, wanted)
     if reduced is not None:
         for name in names:
             if name not in values:
@@ -72,7 +75,8 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
             if shape != wanted[name]["shape"] or dtype != wanted[name]["dtype"]:
                 problems.append(f"{name}: checkpoint {dtype}{shape}, this model "
                                 f"{wanted[name]['dtype']}{wanted[name]['shape']}")
-        extra = sorted(n for n in set(values) - set(names) if n.split(".")[0] not in DROPPED_IF_EXTRA)
+        extra = sorted(n for n in set(values) - set(names) if n.split(".")[0] not in DROPPED_IF_EXTRA
+                       and not (stacked and _is_rng_stream(n)))
         problems += [f"{n} is in the checkpoint but not in this model" for n in extra[:3]]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -88,7 +92,37 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
     before = f"{meta.get('strategy')} on {meta.get('replicas')} replicas"
     now = f"{strategy_name(trainer.strategy)} on {trainer.num_replicas} replicas"
     fresh = "" if same_strategy else "; strategy state of the new strategy starts fresh"
-    return state, [f"checkpoint step {step} was written by {before}; this run is {now}: {how}{fresh}"]
+    notes = [f"checkpoint step {step} was written by {before}; this run is {now}: {how}{fresh}"]
+    if stacked:
+        notes.append(STACKED_NOTE.format(old=stacked[0][1], new=stacked[0][0]))
+    return state, notes
+
+
+def stack_layers(values: dict, wanted: dict) -> tuple[dict, list[tuple[str, str]]]:
+    """(`values` with the per-layer arrays of an unstacked model stacked, [(stacked name, its first source)]).
+
+    A name this model wants with a `layers` part (`params.blocks.layers.up.kernel.value`: a stack of blocks,
+    `jaxpar.pipeline.Stack`) that `values` lacks is built from `params.blocks.0.up.kernel.value`,
+    `params.blocks.1...`, ... (a list of blocks, as the built-in transformer had before issue 19), one per layer of
+    its leading dimension, if all are there with the shape of one layer; the per-layer names are removed."""
+    out, stacked = dict(values), []
+    for name, described in wanted.items():
+        parts, shape = name.split("."), list(described["shape"])
+        if name in out or partitioning.LAYERS not in parts or not shape:
+            continue
+        at = parts.index(partitioning.LAYERS)
+        sources = [".".join(parts[:at] + [str(layer)] + parts[at + 1:]) for layer in range(shape[0])]
+        if all(s in out and list(out[s].shape) == shape[1:] for s in sources):
+            out[name] = jnp.stack([out.pop(s) for s in sources])
+            stacked.append((name, sources[0]))
+    return out, stacked
+
+
+def _is_rng_stream(name: str) -> bool:
+    """A dropout RNG stream a module kept in the model state (`model_state.blocks.0.dropout.rngs.key.value`): an
+    unstacked model's, which a stacked model with call-time rngs does not keep."""
+    parts = name.split(".")
+    return parts[0] == "model_state" and any(a == "rngs" and b in ("key", "count") for a, b in zip(parts, parts[1:]))
 
 
 def placement(name: str, shape: list, flat: dict, wanted: dict, index: dict, mesh):
