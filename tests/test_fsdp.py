@@ -34,7 +34,7 @@ def test_default_transformer_params_and_adam_state_are_split_over_fsdp_and_model
                              jaxpar.make_mesh(mesh))
     per_device, total = per_device_and_total_bytes(trainer.init(0))
     n_params = sum(x.size for x in jax.tree.leaves(trainer.init(0).params))
-    assert n_params == 477_696 and 12 * n_params <= total <= 12 * n_params + 16  # params + Adam's 2 moments + counters
+    assert n_params == 590_464 and 12 * n_params <= total <= 12 * n_params + 16  # params + Adam's 2 moments + counters
     assert per_device <= 1.15 * total / parameter_ways, (per_device, total / parameter_ways)
     print(f"{mesh}: {per_device:,} bytes per device = {per_device / (total / parameter_ways):.4f} x total/"
           f"{parameter_ways} (total {total:,})")
@@ -43,8 +43,8 @@ def test_default_transformer_params_and_adam_state_are_split_over_fsdp_and_model
 def test_sync_step_all_gathers_fsdp_parameters():
     trainer = trainer_for("transformer", "fsdp=8")
     state = trainer.init(0)
-    kernel = state.params["blocks"][0]["up"]["kernel"]
-    assert kernel.sharding.spec == P("fsdp", None) and kernel.addressable_shards[0].data.shape == (4, 64)
+    kernel = state.params["blocks"]["layers"]["up"]["kernel"]  # [layers, embed, mlp]
+    assert kernel.sharding.spec == P(None, "fsdp", None) and kernel.addressable_shards[0].data.shape == (1, 4, 64)
     compiled = trainer._steps["sync"].lower(state, trainer.shard_batch(batch_for("transformer")), {}).compile()
     stats = collective_stats(compiled)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))

@@ -10,12 +10,14 @@ from tests.helpers import trainer_for
 
 # parameter path -> expected PartitionSpec under the default rules on a 2x4 mesh
 EXPECTED = {
-    "transformer": {"token_embed/embedding": P("model", None), "pos_embed/embedding": P(None, None),
-                    "blocks/0/attn/qkv/kernel": P(None, None, "model", None),
-                    "blocks/0/attn/out/kernel": P("model", None, None),
-                    "blocks/0/up/kernel": P(None, "model"), "blocks/0/up/bias": P("model"),
-                    "blocks/0/down/kernel": P("model", None), "blocks/0/norm1/scale": P(None),
-                    "head/kernel": P(None, "model")},
+    "transformer": {"token_embed/embedding": P("model", None),
+                    "blocks/layers/attn/q/kernel": P(None, None, "model", None),
+                    "blocks/layers/attn/k/kernel": P(None, None, "model", None),
+                    "blocks/layers/attn/v/kernel": P(None, None, "model", None),
+                    "blocks/layers/attn/out/kernel": P(None, "model", None, None),
+                    "blocks/layers/gate/kernel": P(None, None, "model"), "blocks/layers/up/kernel": P(None, None, "model"),
+                    "blocks/layers/down/kernel": P(None, "model", None), "blocks/layers/attn_norm/scale": P(None, None),
+                    "norm/scale": P(None), "head/kernel": P(None, "model")},
     "mlp": {"hidden/kernel": P(None, "model"), "hidden/bias": P("model"), "out/kernel": P("model", None),
             "out/bias": P(None)},
     "cnn": {"conv1/kernel": P(None, None, None, "model"), "conv1/bias": P("model"), "bn1/scale": P("model"),
@@ -100,7 +102,7 @@ def test_lm1b_rules_work_unchanged_in_form_and_train_like_the_defaults():
     for rules in (None, LM1B_RULES):
         trainer = trainer_for("transformer", "data=2,fsdp=2,model=2", rules=rules)
         state = trainer.init(0)
-        assert state.params["blocks"][0]["attn"]["qkv"]["kernel"].sharding.spec == P("fsdp", None, "model", None)
+        assert state.params["blocks"]["layers"]["attn"]["q"]["kernel"].sharding.spec == P(None, "fsdp", "model", None)
         assert state.params["token_embed"]["embedding"].sharding.spec == P("model", "fsdp")
         from tests.helpers import batch_for
         state, metrics = trainer.step(state, batch_for("transformer"))
