@@ -152,3 +152,30 @@ def test_circular_refuses_fewer_microbatches_than_stages():
     params, xs, targets = problem(2)
     with pytest.raises(ValueError, match=r"at least as many microbatches as stages \(2 < 4\)"):
         pipelined_circular(4, 2)(params, xs, targets)
+
+
+def test_gpipe_keeps_each_ticks_stage_input_and_no_per_tick_copy_of_the_stage_parameters():
+    """GPipe's memory: the backward keeps one stage input per tick. Picking the stage's parameters outside the
+    rematerialised stage once made every tick save its own copy of them (at M = 16 on the built-in transformer,
+    14.3 MB of temporaries instead of 8.0). Here a stage's parameters are 64 microbatch activations: the compiled
+    temporaries may grow by a few activations per extra microbatch, never by a copy of the parameters."""
+    stages, width, rows = 4, 64, 2
+    params = {"w": jnp.zeros((LAYERS, width, width)), "b": jnp.zeros((LAYERS, width))}
+    stage_bytes = (LAYERS // stages) * (width * width + width) * 4
+    activation = rows * width * 4
+
+    def loss(p, xs):
+        return jax.lax.psum(jnp.where(jax.lax.axis_index(AXIS) == stages - 1,
+                                      jnp.mean(gpipe(stage_fn, p, xs, axis=AXIS) ** 2), 0.0), AXIS)
+
+    mapped = jax.shard_map(loss, mesh=stage_mesh(stages), in_specs=(PartitionSpec(AXIS), PartitionSpec()),
+                           out_specs=PartitionSpec(), check_vma=False)
+    step = jax.jit(jax.grad(mapped))
+
+    def temporaries(count):
+        xs = jnp.zeros((count, rows, width))
+        return step.lower(params, xs).compile().memory_analysis().temp_size_in_bytes
+
+    per_microbatch = (temporaries(12) - temporaries(4)) / 8
+    assert stage_bytes == 64 * activation + 2 * width * 4
+    assert activation <= per_microbatch <= 8 * activation, per_microbatch / activation

@@ -71,7 +71,10 @@ def circular(stage_fn: Callable, params, xs: jax.Array, *, axis: str, repeats: i
     if repeats > 1 and count < stages:
         raise ValueError(f"the circular schedule needs at least as many microbatches as stages ({count} < {stages})")
     items = repeats * count
-    body = jax.checkpoint(stage_fn)  # the backward keeps each tick's stage input only
+    # The chunk is picked inside the rematerialised body: picked outside, each tick's slice of the parameters would
+    # be a residual of the scan, a copy of the stage's parameters saved per tick. Inside, the residuals are the
+    # loop-invariant parameters (saved once) and each tick's stage input.
+    body = jax.checkpoint(lambda p, x, m, r: stage_fn(jax.tree.map(lambda a: a[r], p), x, m, r))
 
     def tick(carry, t):
         received, returned = carry  # returned: stage 0's activations back from the last stage, by microbatch
@@ -82,7 +85,7 @@ def circular(stage_fn: Callable, params, xs: jax.Array, *, axis: str, repeats: i
         else:
             first = xs[m]
         x = jnp.where(stage == 0, first, received)
-        y = body(jax.tree.map(lambda a: a[r], params), x, m, r)
+        y = body(params, x, m, r)
         sent = _to_next(y, axis, stages, ring=repeats > 1)
         if repeats > 1:  # on stage 0, `sent` is the last stage's output of item t - S + 1: keep it for its next round
             back = t - stages + 1
