@@ -108,6 +108,16 @@ def test_the_pipeline_runs_inside_each_replica_of_the_explicit_strategies(strate
                 reference(4, 0.2, strategy, mesh="data=2"))
 
 
+@pytest.mark.parametrize("allreduce, mesh", [("psum", "data=2,stage=2,model=2"), ("ring", "data=2,stage=2,fsdp=2"),
+                                             ("torus2d", "data=4,stage=2"), ("ps", "data=2,stage=4")])
+def test_the_pipeline_runs_under_every_explicit_allreduce(allreduce, mesh):
+    """Sync with a written allreduce: each replica runs its pipeline on its slice, the average is the algorithm's.
+    Equal to the unpipelined stack on 1x1 (the same global batch), as under the partitioner's Sync."""
+    strategy = jaxpar.Sync(allreduce, torus_x=2) if allreduce == "torus2d" else jaxpar.Sync(allreduce)
+    assert_same(train(mesh, Pipeline("1f1b" if allreduce in ("psum", "ps") else "gpipe", 4), rate=0.0,
+                      strategy=strategy), reference(4, 0.0))
+
+
 def test_pipelining_composes_with_gradient_accumulation():
     assert_same(train("data=2,stage=4", Pipeline("1f1b", 2), grad_accum=2), reference(2, 0.2, grad_accum=2))
 
