@@ -38,6 +38,19 @@ def the_stack(model) -> tuple[tuple, Stack]:
     return found[0]
 
 
+def _head_inputs(mesh, micro, y):
+    """The microbatch and the stack's output as the head sees them on the last stage.
+
+    With the batch split (data or fsdp > 1) and a model axis > 1, leaving their rows split inside the stage-manual
+    shard_map crashes XLA's SPMD partitioner for a head with a tensor-parallel vocabulary (jax 0.10.2: "Check
+    failed: partition_group_list..."; `python run.py --mesh data=2,stage=2,model=2 --pipeline 1f1b` aborted).
+    Replicating both over the stage's devices avoids it: every device of the last stage then computes the head on
+    the whole microbatch (the head's compute is not split over the batch axes; the stages' layers still are)."""
+    if mesh_lib.size(mesh, mesh_lib.BATCH_AXES) > 1 and mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1:
+        return shd.replicate_within(micro), shd.replicate_within(y)
+    return micro, y
+
+
 def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
     """`jaxpar.train.step.loss_and_grad` under 1F1B on a stage mesh: (loss, metrics, new model_state, grads)."""
     from jaxpar.train.step import call_loss, make_rngs, split_model  # (the step module imports this one)
@@ -73,7 +86,7 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
 
         def head_fn(other, y, m):
             model = nnx.merge(graphdef, nnx.merge_state(other, stack_p), state)
-            micro = jax.tree.map(lambda a: split_microbatches(a, count)[m], batch)
+            micro, y = _head_inputs(mesh, jax.tree.map(lambda a: split_microbatches(a, count)[m], batch), y)
             with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.REPLACE, output=y)):
                 return call_loss(loss_fn, model, micro, make_rngs(jax.random.wrap_key_data(step_key)))
 
