@@ -88,7 +88,9 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
             model = nnx.merge(graphdef, nnx.merge_state(other, stack_p), state)
             micro, y = _head_inputs(mesh, jax.tree.map(lambda a: split_microbatches(a, count)[m], batch), y)
             with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.REPLACE, output=y)):
-                return call_loss(loss_fn, model, micro, make_rngs(jax.random.wrap_key_data(step_key)))
+                # each microbatch its own streams: the same key would repeat one dropout mask on every microbatch
+                key_m = jax.random.fold_in(jax.random.wrap_key_data(step_key), m)
+                return call_loss(loss_fn, model, micro, make_rngs(key_m))
 
         return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS)
 

@@ -108,6 +108,10 @@ class Stack(nnx.Module):
         scope = scope_lib.current()
         key = None if rngs is None else jax.random.key_data(rngs.dropout())
         if scope is not None and scope.mode == scope_lib.CAPTURE:  # 1F1B: what the layers are called with
+            if "x" in scope.record:  # a second call: its input would overwrite the first's, its output be wrong
+                raise ModelError("--pipeline 1f1b (Pipeline('1f1b')): the model calls its jaxpar.pipeline.Stack more "
+                                 "than once per step; 1F1B pipelines one pass through one stack (use --pipeline "
+                                 "gpipe or circular, which pipeline every call)")
             scope.record.update(x=x, args=args, key=key, stack=self)
             return x
         if scope is not None and scope.mode == scope_lib.REPLACE:  # 1F1B: the part after the stack
