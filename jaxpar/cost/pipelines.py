@@ -3,17 +3,19 @@ bubble and stage traffic read from the compiled step, against theory.
 
 - Ticks. A schedule is a `lax.scan` of ticks: in the compiled step, a while loop whose body holds the
   collective-permutes over the stage axis (GPipe and circular: a forward loop and the backward loop autodiff makes
-  of it; 1F1B: one loop). Its trip count (`jaxpar.cost.hlo`) is the compiled tick count, against
-  `Pipeline.ticks(S)`: R M + S - 1 (forward schedules, each of the two loops), 2 (M + S - 1) (1F1B's half-steps).
+  of it; 1F1B: one loop, whose ticks are a forward and a backward half-step). Its trip count (`jaxpar.cost.hlo`)
+  is the compiled tick count, against `Pipeline.ticks(S)`: R M + S - 1 (each loop of the forward schedules; 1F1B's
+  one loop, R = 1).
 - Bubble: the idle ticks of a stage over its ticks, with the compiled tick count as the denominator and the useful
-  ticks a stage has: R M chunk runs of a forward loop (GPipe, circular), 2 M half-steps (1F1B, M forwards and M
-  backwards). Theory `Pipeline.bubble(S)`: (S - 1) / (R M + S - 1).
+  ticks a stage has: R M chunk runs of a forward loop (GPipe, circular), M ticks of 1F1B (each with one of its M
+  forwards and one of its M backwards). Theory `Pipeline.bubble(S)`: (S - 1) / (R M + S - 1).
 - Stage traffic: the bytes the busiest device sends through the ticks' collective-permutes in one step (each
   times its loops' trip counts), against theory from the batch and the model: A = the activation of one microbatch
   on one device (rows of a microbatch per device x the stack's activation shape x its dtype's bytes, the stack's
   input read by tracing the loss abstractly), 1 A per forward tick and 1 A per backward tick (GPipe, circular; a
-  middle stage sends both ways, so 2 (R M + S - 1) A), 2 A per 1F1B tick (one right, one left; 2 A x 2 (M + S - 1)),
-  times `grad_accum`. With S = 2 and no ring each stage sends one way only, half of that.
+  middle stage sends both ways, so 2 (R M + S - 1) A), 2 A per 1F1B tick (after its forward half-step one right,
+  after its backward one left: 2 (M + S - 1) A), times `grad_accum`. With S = 2 and no ring each stage sends one
+  way only, half of that.
 - Everything else over the stage axis is listed apart, not folded into the theory: sums over the stages (the loss,
   the gradients of the layers outside the stack, the stack input's gradient), the last stage's outputs sent back,
   and under circular the stacked parameters (kept in layer order) re-cut into each stage's chunks and back.
@@ -103,7 +105,8 @@ def _theory(pipeline: Pipeline, stages: int, activation: int | None, accum: int)
     ring = pipeline.schedule != ONE_F_ONE_B and r > 1
     ways = 2 if s > 2 or ring else 1  # a middle stage (or any stage of a ring) sends both ways
     if pipeline.schedule == ONE_F_ONE_B:
-        what = f"2 A per tick (one right, one left) x 2(M+S-1) = {pipeline.ticks(s)} ticks"
+        what = (f"2 A per tick (one right after the forward half-step, one left after the backward) x "
+                f"{pipeline.ticks(s)} ticks (M + S - 1)")
     else:
         what = (f"1 A per forward tick + 1 A per backward tick, x {pipeline.ticks(s)} ticks "
                 f"({'R M' if r > 1 else 'M'} + S - 1)")
@@ -134,7 +137,7 @@ def report(trainer, batch, ops) -> dict | None:
         loop["directions"].append(_direction(op, stage_of, stages))
     ticks = sorted({loop["ticks"] for loop in loops.values()}, key=lambda t: (t is None, t))
     compiled_ticks = ticks[0] if ticks else None
-    useful = 2 * m if pipeline.schedule == ONE_F_ONE_B else r * m
+    useful = r * m
     out = {"schedule": pipeline.schedule, "stages": stages, "microbatches": m, "repeats": r, "grad_accum": accum,
            "loops": list(loops.values()), "ticks": compiled_ticks, "ticks_theory": pipeline.ticks(stages),
            "useful_ticks": useful, "bubble_theory": pipeline.bubble(stages),
@@ -168,7 +171,7 @@ def report(trainer, batch, ops) -> dict | None:
 
 
 _BUBBLE = {"gpipe": "(S-1)/(M+S-1)", "circular": "(S-1)/(R M+S-1)", ONE_F_ONE_B: "(S-1)/(M+S-1)"}
-_TICKS = {"gpipe": "M+S-1", "circular": "R M+S-1", ONE_F_ONE_B: "2(M+S-1)"}
+_TICKS = {"gpipe": "M+S-1", "circular": "R M+S-1", ONE_F_ONE_B: "M+S-1"}
 
 
 def lines(p: dict) -> list[str]:
@@ -188,7 +191,7 @@ def lines(p: dict) -> list[str]:
     else:
         out.append("    ticks: no while loop holding collective-permutes over stage was found in the compiled step")
     if p["bubble"] is not None:
-        useful = "2M" if p["schedule"] == ONE_F_ONE_B else ("R M" if p["repeats"] > 1 else "M")
+        useful = "R M" if p["repeats"] > 1 else "M"
         idle = p["ticks"] - p["useful_ticks"]
         out.append(f"    bubble (compiled): {idle} idle of {p['ticks']} ticks ({useful} = {p['useful_ticks']} "
                    f"useful) = {p['bubble']:.4f}; theory {_BUBBLE[p['schedule']]} = {p['bubble_theory']:.4f}")

@@ -46,9 +46,8 @@ class Pipeline:
         return self.repeats if self.schedule == CIRCULAR else 1
 
     def ticks(self, stages: int) -> int:
-        """Ticks of the forward (GPipe, circular: one chunk each) or of the whole step (1F1B: half-steps)."""
-        if self.schedule == ONE_F_ONE_B:
-            return 2 * (self.microbatches + stages - 1)
+        """Ticks of the forward (GPipe, circular: one chunk each; the backward has as many) or of the whole step
+        (1F1B: each tick a forward half-step and a backward half-step on every stage): R M + S - 1."""
         return self.rounds * self.microbatches + stages - 1
 
     def bubble(self, stages: int) -> float:

@@ -15,10 +15,13 @@ one with `lax.ppermute` after every tick.
   ring of stages R times: R * M + S - 1 ticks of one chunk each, bubble (S - 1) / (R * M + S - 1). The last stage
   sends to stage 0, which keeps the returning activations until their next round (M >= S is needed so a round is
   back before it is due). `gpipe` is `circular` with R = 1.
-- `one_f_one_b(stage_fn, head_fn, params, head_params, xs, axis=...)`: a hand-written backward. Stage s runs a
-  forward on ticks where t + s is even and a backward on the others, so in the steady state every stage alternates
-  one forward and one backward (1F1B) and nothing waits: 2(M + S - 1) ticks of one half-step each, the same time as
-  GPipe's M + S - 1 forward and M + S - 1 backward ticks, and the same bubble (S - 1) / (M + S - 1). A microbatch's
+- `one_f_one_b(stage_fn, head_fn, params, head_params, xs, axis=...)`: a hand-written backward. A tick is two
+  half-steps; in half-step h (0 to 2(M + S - 1) - 1) stage s runs a forward when h + s is even and a backward
+  otherwise, so in the steady state every stage does one forward and one backward per tick (1F1B) and nothing
+  waits: M + S - 1 ticks, the same time as GPipe's M + S - 1 forward and M + S - 1 backward ticks, and the same
+  bubble (S - 1) / (M + S - 1). After each half-step every stage sends one array: its activation to the next stage
+  after a forward, its cotangent to the previous one after a backward, in one `ppermute` whose pairs follow the
+  half-step's parity (2 A per tick from a middle stage, as GPipe's forward and backward ticks). A microbatch's
   input stays stashed on a stage from its forward to its backward: at most S of them at once on stage 0, fewer
   further on (the stash is `[S, ...]` whatever M), and the backward recomputes the stage forward from it with
   `jax.vjp`. Parameter gradients accumulate across ticks. The last stage applies `head_fn` (the rest of the model
@@ -45,9 +48,15 @@ def _to_next(x, axis: str, stages: int, ring: bool = False):
     return lax.ppermute(x, axis, pairs)
 
 
-def _to_previous(x, axis: str, stages: int):
-    """Each stage's `x` to the previous stage (stage 0 sends nothing; the last receives zeros)."""
-    return lax.ppermute(x, axis, [(i + 1, i) for i in range(stages - 1)])
+def _alternating_pairs(stages: int, parity: int) -> list[tuple[int, int]]:
+    """1F1B's sends after a half-step of `parity`: a stage that ran a forward (s + parity even) to the next stage,
+    one that ran a backward to the previous one; every stage receives from at most one neighbour."""
+    pairs = []
+    for s in range(stages):
+        target = s + 1 if (s + parity) % 2 == 0 else s - 1
+        if 0 <= target < stages:
+            pairs.append((s, target))
+    return pairs
 
 
 def _pick(pred, new, old):
@@ -114,7 +123,7 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
     no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes[1])
 
     def forward(carry, m, valid):
-        received, _, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
+        received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
         x = jnp.where(stage == 0, xs[m], received)
         y = stage_fn(params, x, m)
 
@@ -134,31 +143,37 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
         head_grads = _pick(use, jax.tree.map(jnp.add, head_grads, g_head), head_grads)
         loss = loss + jnp.where(use, value, 0.0)
         metrics = jax.tree.map(lambda a, b: a + jnp.where(use, b, 0.0), metrics, aux)
-        return y, zeros, (pending, stash, grads, head_grads, input_grads, loss, metrics)
+        return y, (pending, stash, grads, head_grads, input_grads, loss, metrics)
 
     def backward(carry, m, valid):
-        _, received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
+        received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
         cotangent = jnp.where(last, pending, received)
         _, pull = jax.vjp(lambda p, x: stage_fn(p, x, m), params, stash[m % stages])
         param_grads, x_grad = pull(cotangent)
         grads = _pick(valid, jax.tree.map(jnp.add, grads, param_grads), grads)
         input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)
-        return zeros, x_grad, (pending, stash, grads, head_grads, input_grads, loss, metrics)
+        return x_grad, (pending, stash, grads, head_grads, input_grads, loss, metrics)
 
-    def tick(carry, t):
-        forward_tick = (t + stage) % 2 == 0
-        m_forward = (t - stage) // 2  # stage s runs microbatch m forward at tick 2m + s
-        m_backward = (t + stage + 1) // 2 - stages  # and backward at tick 2m + 2S - 1 - s
+    def half_step(carry, h, parity: int):
+        """Half-step h (of parity `parity`, known when tracing so the send's pairs are static)."""
+        forward_tick = (h + stage) % 2 == 0
+        m_forward = (h - stage) // 2  # stage s runs microbatch m forward at half-step 2m + s
+        m_backward = (h + stage + 1) // 2 - stages  # and backward at half-step 2m + 2S - 1 - s
         m = jnp.where(forward_tick, m_forward, m_backward)
         valid = (m >= 0) & (m < count)
         m = jnp.clip(m, 0, count - 1)
-        to_next, to_previous, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
-        return (_to_next(to_next, axis, stages), _to_previous(to_previous, axis, stages)) + kept, None
+        sent, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
+        # what a stage receives is what it needs next: after a forward half-step its left neighbour's activation
+        # (it runs a forward next), after a backward its right neighbour's cotangent
+        return (lax.ppermute(sent, axis, _alternating_pairs(stages, parity)),) + kept
 
-    start = (zeros, zeros, zeros, jnp.zeros((stages,) + xs.shape[1:], xs.dtype),
+    def tick(carry, t):
+        return half_step(half_step(carry, 2 * t, 0), 2 * t + 1, 1), None
+
+    start = (zeros, zeros, jnp.zeros((stages,) + xs.shape[1:], xs.dtype),
              jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(xs),
              jnp.zeros((), jnp.float32), no_metrics)
-    carry, _ = lax.scan(tick, start, jnp.arange(2 * (count + stages - 1)))
+    carry, _ = lax.scan(tick, start, jnp.arange(count + stages - 1))
     *_, grads, head_grads, input_grads, loss, metrics = carry
     shared = lax.psum((loss / count, jax.tree.map(lambda a: a / count, metrics), head_grads, input_grads), axis)
     loss, metrics, head_grads, input_grads = shared

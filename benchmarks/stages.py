@@ -1,0 +1,203 @@
+"""The built-in transformer pipelined through the Trainer: equivalence, activation memory against M, the bubble
+read from the compiled program, and step time of stage=4 against data=4.
+
+    python -m benchmarks.stages                               # all four parts
+    python -m benchmarks.stages --parts memory,speed --layers 8
+
+- equivalence: per-step losses (3 steps) and parameters after 3 steps of GPipe, circular and 1F1B on stage=2,
+  stage=4, data=2,stage=2,model=2 and data=2,stage=2,fsdp=2, dropout off and on, against the unpipelined stacked
+  model on 1x1 with the same microbatch count (the bar: losses rtol 1e-5, parameters atol 2e-5);
+- memory: the compiled step's temporaries per device (XLA memory analysis) on stage=4 for M = 4, 8, 16 with a fixed
+  microbatch (so the global batch grows with M), in microbatch activations (rows x seq_len x d_model x 4 bytes);
+- bubble: the tick loop's trip count in the compiled step against `Pipeline.ticks`, and the bubble it implies
+  (1 - useful ticks / ticks) against `Pipeline.bubble`, on stage=4 for M = 4, 8, 16;
+- speed: steps/s of stage=4 (each schedule) against data=4 on the same model and global batch, alternating rounds.
+
+Every row is also printed as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import jaxpar
+
+MESHES = ("stage=2", "stage=4", "data=2,stage=2,model=2", "data=2,stage=2,fsdp=2")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="equivalence,memory,bubble,speed")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--microbatches", default="4,8,16", help="M for memory and bubble")
+    parser.add_argument("--rows", type=int, default=4, help="rows per microbatch (memory)")
+    parser.add_argument("--rounds", type=int, default=3, help="speed: alternating rounds")
+    parser.add_argument("--steps", type=int, default=5, help="speed: steps per round")
+    args = parser.parse_args()
+    jaxpar.make_mesh("8")  # before anything touches JAX: the 8 CPU devices
+    parts = args.parts.split(",")
+    model = dict(layers=args.layers, d_model=args.d_model, heads=4, d_ff=2 * args.d_model, seq_len=args.seq_len)
+    if "equivalence" in parts:
+        equivalence(model)
+    if "memory" in parts:
+        memory(model, [int(m) for m in args.microbatches.split(",")], args.rows)
+    if "bubble" in parts:
+        bubble(model, [int(m) for m in args.microbatches.split(",")], args.rows)
+    if "speed" in parts:
+        speed(model, args.rounds, args.steps)
+
+
+def pipelines(stages: int, microbatches: int):
+    from jaxpar.pipeline import Pipeline
+
+    yield Pipeline("gpipe", microbatches)
+    yield Pipeline("circular", microbatches, repeats=2)
+    yield Pipeline("1f1b", microbatches)
+
+
+def trained(model, mesh, pipeline, dropout, steps=3, batch_size=16):
+    import jax
+    import numpy as np
+
+    from benchmarks import common
+
+    parts = common.setup("transformer", dropout=dropout, batch_size=batch_size, **model)
+    trainer = common.trainer(parts, jaxpar.make_mesh(mesh), pipeline=pipeline)
+    state, losses = trainer.init(0), []
+    for _, batch in zip(range(steps), common.batches(parts.config)):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.tree.leaves(trainer.params(state))
+
+
+def equivalence(model) -> None:
+    import numpy as np
+
+    from jaxpar.pipeline import Pipeline
+
+    print("| schedule | mesh | dropout | max loss rel. diff | max parameter abs. diff |\n|---|---|---|---|---|")
+    for dropout in (0.0, 0.1):
+        want_losses, want_params = trained(model, "1x1", Pipeline(microbatches=4), dropout)
+        for mesh in MESHES:
+            stages = int(re.search(r"stage=(\d+)", mesh).group(1))
+            for pipeline in pipelines(stages, 4):
+                if model["layers"] % (stages * pipeline.rounds):
+                    continue
+                losses, params = trained(model, mesh, pipeline, dropout)
+                loss_diff = float(np.max(np.abs(losses - want_losses) / np.abs(want_losses)))
+                param_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(params, want_params))
+                row = {"part": "equivalence", "schedule": pipeline.schedule, "repeats": pipeline.repeats,
+                       "mesh": mesh, "dropout": dropout, "loss_rel_diff": loss_diff, "param_abs_diff": param_diff}
+                print(f"| {pipeline.schedule}{' R=2' if pipeline.repeats > 1 else ''} | {mesh} | {dropout} | "
+                      f"{loss_diff:.1e} | {param_diff:.1e} |")
+                print(json.dumps(row), flush=True)
+
+
+def compiled(model, mesh, pipeline, batch_size):
+    from benchmarks import common
+
+    parts = common.setup("transformer", dropout=0.0, batch_size=batch_size, **model)
+    trainer = common.trainer(parts, jaxpar.make_mesh(mesh), pipeline=pipeline)
+    variant = next(iter(trainer.variants))
+    return trainer.compiled_step(variant, parts.batch)
+
+
+def memory(model, counts, rows) -> None:
+    from jaxpar.pipeline import Pipeline
+
+    activation = rows * model["seq_len"] * model["d_model"] * 4
+    print(f"\nstage=4, {model['layers']} layers, {rows} rows per microbatch: one microbatch activation = "
+          f"{activation:,} bytes; compiled step temporaries per device:\n")
+    print("| M | global batch | GPipe | 1F1B |\n|---|---|---|---|")
+    for count in counts:
+        row = {"part": "memory", "stages": 4, "microbatches": count, "activation_bytes": activation}
+        for schedule in ("gpipe", "1f1b"):
+            analysis = compiled(model, "stage=4", Pipeline(schedule, count), rows * count).memory_analysis()
+            row[schedule] = analysis.temp_size_in_bytes
+        print(f"| {count} | {rows * count} | {row['gpipe']:,} | {row['1f1b']:,} |")
+        print(json.dumps(row), flush=True)
+
+
+def trip_counts(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', text)]
+
+
+def bubble(model, counts, rows) -> None:
+    from jaxpar.pipeline import Pipeline
+
+    print("\n| schedule | M | compiled ticks | theory ticks | bubble measured | bubble theory |\n|---|---|---|---|---|---|")
+    for count in counts:
+        for pipeline in pipelines(4, count):
+            if model["layers"] % (4 * pipeline.rounds):
+                continue
+            ticks = pipeline.ticks(4)
+            found = trip_counts(compiled(model, "stage=4", pipeline, rows * count).as_text())
+            measured = ticks if ticks in found else max(found)  # the tick loop; layer scans run per layer count
+            useful = pipeline.rounds * count
+            row = {"part": "bubble", "schedule": pipeline.schedule, "repeats": pipeline.repeats,
+                   "microbatches": count, "ticks": measured, "theory_ticks": ticks,
+                   "bubble": 1 - useful / measured, "theory_bubble": pipeline.bubble(4)}
+            print(f"| {pipeline.schedule}{' R=2' if pipeline.repeats > 1 else ''} | {count} | {measured} | {ticks} | "
+                  f"{row['bubble']:.3f} | {row['theory_bubble']:.3f} |")
+            print(json.dumps(row), flush=True)
+
+
+def speed(model, rounds, steps) -> None:
+    import statistics
+
+    from benchmarks import common
+    from jaxpar.pipeline import Pipeline
+
+    parts = common.setup("transformer", dropout=0.0, batch_size=32, **model)
+    batch = parts.batch
+    runs = {"data=4": (jaxpar.make_mesh("data=4"), Pipeline()),
+            "stage=4 gpipe": (jaxpar.make_mesh("stage=4"), Pipeline("gpipe", 8)),
+            "stage=4 1f1b": (jaxpar.make_mesh("stage=4"), Pipeline("1f1b", 8))}
+    funcs = {}
+    for name, (mesh, pipeline) in runs.items():
+        trainer = common.trainer(parts, mesh, pipeline=pipeline)
+        holder = {"state": trainer.init(0)}
+
+        def step(trainer=trainer, holder=holder):
+            holder["state"], metrics = trainer.step(holder["state"], batch)
+            return metrics
+
+        funcs[name] = step
+    rates = common.alternating_rates(funcs, rounds, steps)
+    base = statistics.median(rates["data=4"])
+    print("\n| run | steps/s (median) | against data=4 |\n|---|---|---|")
+    for name, values in rates.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.2f} | {median / base:.3f} |")
+        print(json.dumps({"part": "speed", "run": name, "steps_per_s": median, "ratio": median / base}), flush=True)
+
+
+def summarize(rows):
+    """The suite's summary cell (`python -m benchmarks`) from this script's JSON rows."""
+    lines = []
+    eq = [r for r in rows if r.get("part") == "equivalence"]
+    if eq:
+        lines.append(f"equivalence: max loss rel. diff **{max(r['loss_rel_diff'] for r in eq):.1e}**, max parameter "
+                     f"diff **{max(r['param_abs_diff'] for r in eq):.1e}** over {len(eq)} runs")
+    mem = [r for r in rows if r.get("part") == "memory"]
+    if len(mem) > 1:
+        first, last = mem[0], mem[-1]
+        extra = (last["microbatches"] - first["microbatches"]) * last["activation_bytes"]
+        lines.append("temporaries per extra microbatch, in microbatch activations: " + ", ".join(
+            f"{s} **{(last[s] - first[s]) / extra:.2f}**" for s in ("gpipe", "1f1b")))
+    bub = [r for r in rows if r.get("part") == "bubble"]
+    if bub:
+        worst = max(abs(r["bubble"] - r["theory_bubble"]) for r in bub)
+        lines.append(f"bubble measured vs theory: max difference **{worst:.3f}** over {len(bub)} schedules")
+    for r in rows:
+        if r.get("part") == "speed" and r["run"] != "data=4":
+            lines.append(f"{r['run']} / data=4 steps/s: **{r['ratio']:.3f}**")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
