@@ -70,6 +70,9 @@ BENCHMARKS = [
               {True: 300, False: 1500}, "large-batch recipes on digits: test accuracy"),
     Benchmark("pipeline", "pipeline", [], [], {True: 120, False: 300},
               "pipeline schedules: activation memory of 1F1B and GPipe against the microbatch count (no training)"),
+    Benchmark("stages", "stages", [], ["--parts", "memory,bubble,speed", "--rounds", "2", "--steps", "3"],
+              {True: 300, False: 1500}, "the pipelined transformer: equivalence (full mode), memory and bubble "
+              "against M, stage=4 against data=4 steps/s"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
 ]

@@ -37,6 +37,7 @@ def bits_equal(a, b):
 
 
 @pytest.mark.parametrize("source, targets", [("stage=2", ["stage=4", "1x1", "2x4"]),
+                                             ("stage=4", ["stage=2"]), ("1x1", ["stage=2"]),
                                              ("2x4", ["stage=2", "data=2,stage=2,model=2"])])
 def test_a_checkpoint_moves_between_stage_counts(tmp_path, source, targets):
     checkpoints, params, next_loss = saved(tmp_path, source)
