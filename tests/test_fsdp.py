@@ -111,18 +111,34 @@ def test_fsdp_fallback_joins_a_tensor_parallel_dimension_when_no_free_one_divide
     assert kernel.addressable_shards[0].data.shape == (8, 7)
 
 
-def test_explicit_rules_that_do_not_divide_are_still_an_error():
-    with pytest.raises(jaxpar.ShardingError, match=r"model dimension 'embed' = 10 \(parameter out\.(bias|kernel)\.value\) is not "
-                                                   r"divisible by mesh axis 'fsdp' of size 4"):
-        jaxpar.Trainer(lambda rngs: Classifier(10, rngs), classifier_loss, optax.sgd(0.1),
-                       jaxpar.make_mesh("fsdp=4"), rules=dict(jaxpar.DEFAULT_RULES))
+def test_explicit_rules_fall_back_too_and_strict_makes_it_an_error():
+    mesh = jaxpar.make_mesh("fsdp=4")
+    given = jaxpar.Trainer(lambda rngs: Classifier(10, rngs), classifier_loss, optax.sgd(0.1), mesh,
+                           rules=dict(jaxpar.DEFAULT_RULES))
+    assert given.init(0).params["out"]["kernel"].sharding.spec == P("fsdp", None)  # as with rules=None
+    with pytest.raises(jaxpar.ShardingError, match=r"^parameter out\.(bias|kernel)\.value of shape \((32, 10|10,)\): "
+                                                   r"dimension \d \(logical 'embed'\) = 10 is not divisible by mesh "
+                                                   r"axis 'fsdp' of size 4"):
+        jaxpar.Trainer(lambda rngs: Classifier(10, rngs), classifier_loss, optax.sgd(0.1), mesh,
+                       rules=dict(jaxpar.DEFAULT_RULES), strict=True)
 
 
-def test_a_model_without_fsdp_names_is_reported_not_silently_copied():
+def test_a_model_without_names_is_split_over_fsdp_and_the_note_names_the_nnx_api():
     trainer = trainer_for("cnn", "fsdp=8")  # the CNN names only its channels (mlp), nothing over fsdp
-    assert trainer.notes == [] or all("every parameter is replicated" not in n for n in trainer.notes)
-    unannotated = jaxpar.Trainer(lambda rngs: nnx.Linear(16, 8, rngs=rngs), lambda m, b: (m(b["x"]).sum(), {}),
-                                 optax.sgd(0.1), jaxpar.make_mesh("fsdp=8"))
-    assert any("every parameter is replicated on all 8 devices" in n for n in unannotated.notes)
-    assert jaxpar.Trainer(lambda rngs: nnx.Linear(16, 8, rngs=rngs), lambda m, b: (m(b["x"]).sum(), {}),
-                          optax.sgd(0.1), jaxpar.make_mesh("8")).notes == []  # pure data parallel: nothing to say
+    assert all("names no parameter dimensions" not in n for n in trainer.notes)
+
+    def unannotated(mesh, **kw):
+        return jaxpar.Trainer(lambda rngs: nnx.Linear(16, 8, rngs=rngs), lambda m, b: (m(b["x"]).sum(), {}),
+                              optax.sgd(0.1), jaxpar.make_mesh(mesh), **kw)
+
+    split = unannotated("fsdp=8")
+    state = split.init(0)
+    assert state.params["kernel"].sharding.spec == P("fsdp", None) and state.params["bias"].sharding.spec == P("fsdp")
+    assert split.notes == ["the model names no parameter dimensions, so 2 of its 2 parameters are split over fsdp "
+                           "along their largest dimension that divides by 8; to choose the split (or for tensor "
+                           "parallelism), name their dimensions with nnx.with_partitioning, or pass path_rules"]
+    # nothing can be split: model axis only, or strict (no automatic placement)
+    for mesh, kw in (("2x4", {}), ("fsdp=8", {"strict": True})):
+        assert any("every parameter is replicated on all 8 devices" in n and "nnx.with_partitioning" in n
+                   for n in unannotated(mesh, **kw).notes)
+    assert unannotated("8").notes == []  # pure data parallel: nothing to say

@@ -61,13 +61,16 @@ def test_rule_naming_a_missing_mesh_axis_is_a_clear_error():
 
 
 def test_two_dimensions_on_one_mesh_axis_names_the_parameter():
-    with pytest.raises(jaxpar.ShardingError, match=r"parameter hidden\.kernel\.value: dimensions 0 \('embed'\) and 1 \('mlp'\)"):
+    with pytest.raises(jaxpar.ShardingError, match=r"parameter hidden\.kernel\.value of shape \(64, 32\): "
+                                                   r"dimensions 0 \('embed'\) and 1 \('mlp'\)"):
         trainer_for("mlp", "2x4", rules={**DEFAULT_RULES, "embed": "model"})
 
 
 def test_dimension_not_divisible_by_model_axis_names_dimension_value_and_axis_size():
     # TINY transformer has 8 heads and d_ff 64: a 1x3 mesh cannot split them
-    with pytest.raises(jaxpar.ShardingError, match=r"model dimension '(heads|mlp|vocab)' = \d+ .* mesh axis 'model' of size 3"):
+    with pytest.raises(jaxpar.ShardingError, match=r"^parameter \S+ of shape \([\d, ]+\): dimension \d \(logical "
+                                                   r"'(heads|mlp|vocab)'\) = \d+ is not divisible by mesh axis 'model' "
+                                                   r"of size 3; make that dimension a multiple of 3"):
         trainer_for("transformer", "1x3")
 
 

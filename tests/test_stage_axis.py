@@ -169,9 +169,9 @@ def test_layers_that_do_not_divide_by_the_stages_are_an_error_naming_what_works(
     mesh = jaxpar.make_mesh("stage=4")
     with pytest.raises(jaxpar.ShardingError) as info:
         spec_for(("layers", "embed"), DEFAULT_RULES, mesh, "blocks.w.value", (6, 8), strict=strict)
-    assert str(info.value) == ("model dimension 'layers' = 6 (parameter blocks.w.value) is not divisible by mesh "
-                               "axis 'stage' of size 4; choose layers divisible by 4, or a stage axis that divides "
-                               "6 (e.g. stage=3)")
+    assert str(info.value) == ("parameter blocks.w.value of shape (6, 8): dimension 0 (logical 'layers') = 6 is not "
+                               "divisible by mesh axis 'stage' of size 4; make that dimension a multiple of 4, or use "
+                               "a stage axis that divides 6 (e.g. stage=3)")
 
 
 # --- through a Trainer -------------------------------------------------------------------------------------------

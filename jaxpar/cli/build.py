@@ -59,8 +59,8 @@ def datasets(config: Config, size_at, largest: int):
     return train, data.ArraySource(test_split)
 
 
-_NOT_DIVISIBLE = re.compile(r"^model dimension '(?P<name>[^']+)' = (?P<size>\d+) \(parameter [^)]*\) is not divisible "
-                            r"by mesh axis '(?P<axis>[^']+)' of size (?P<ways>\d+)")
+_NOT_DIVISIBLE = re.compile(r"^parameter \S+ of shape \([^)]*\): dimension \d+ \(logical '(?P<name>[^']+)'[^)]*\) = "
+                            r"(?P<size>\d+) is not divisible by mesh axis '(?P<axis>[^']+)' of size (?P<ways>\d+)")
 
 
 def as_flag_error(error: ShardingError, config: Config) -> JaxparError:

@@ -1,30 +1,38 @@
 """Every partitioning decision: logical axis names -> mesh axes -> `NamedSharding`.
 
-Why about 310 lines: every PartitionSpec and NamedSharding of the project is built here on purpose (one owner), so
-the rules, FSDP placement, batch, per-replica, gathered and restore layouts sit side by side.
+Why about 440 lines: every PartitionSpec and NamedSharding of the project is built here on purpose (one owner), so
+the rules, FSDP placement, batch, per-replica, gathered and restore layouts sit side by side (path rules: their
+matching lives in `path_rules.py`, their specs here).
 
-Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`); rules map each
-logical name to a mesh axis (or None = replicated). Rules come in two forms:
+Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`, or Linen's
+`nn.with_logical_partitioning`); rules map each logical name to a mesh axis (or None = replicated). Rules come in
+two forms:
 
-- a dict `{"mlp": TENSOR_AXIS, "embed": FSDP_AXIS}` (axis names from jaxpar.parallel.mesh): one mesh axis per name; two dimensions of one parameter on the same
-  mesh axis is a `ShardingError`;
+- a dict `{"mlp": TENSOR_AXIS, "embed": FSDP_AXIS}` (axis names from jaxpar.parallel.mesh): one mesh axis per name;
+  two dimensions of one parameter on the same mesh axis is a `ShardingError`;
 - Flax's list of pairs `[("mlp", TENSOR_AXIS), ("embed", FSDP_AXIS), ("embed", None)]` (`logical_axis_rules`),
   with Flax's meaning: for each dimension the first rule for its name whose mesh axes the array does not already use
   applies; none applies -> replicated.
 
-Anything no rule names is replicated; names the model uses that no rule mentions are reported once (a typo like
-`mpl` must not silently replicate a big matrix). A rule naming a mesh axis the mesh lacks, or a tensor-parallel
-or stage dimension that does not divide by its axis, is a `ShardingError` naming the parameter.
+Path rules (`jaxpar.parallel.path_rules`) give a parameter its names by a regex over its path instead, so a model
+nobody annotated can still be tensor-parallel. Anything no rule names is replicated; names the model uses that no
+rule mentions are reported once (a typo like `mpl` must not silently replicate a big matrix). A rule naming a mesh
+axis the mesh lacks, or a tensor-parallel or stage dimension that does not divide by its axis, is a `ShardingError`
+naming the parameter, its shape and the mesh axis.
 
 Pipeline stages: a stacked block's parameters have a leading dimension named `layers` (`nnx.vmap` with
 `transform_metadata={nnx.PARTITION_NAME: "layers"}` puts it first), and the rule `layers -> stage` splits the
 layers over the stage axis, a contiguous run of them per stage. On a mesh with stage > 1 some parameter must be
 split over it: a model with nothing to pipeline is a `ShardingError` (one line saying what is missing).
 
-FSDP (ZeRO-3) placement only decides where bytes live, never the math, so with the default rules (`rules=None`)
-it bends instead of failing: a dimension mapped to the fsdp axis that does not divide moves the fsdp split to the
-largest other dimension that divides (big_vision's rule), or leaves the parameter whole; each such parameter is
-listed in the plan's notes. Rules given explicitly are followed strictly.
+FSDP (ZeRO-3) placement only decides where bytes live, never the math, so unless `strict` it bends instead of
+failing, whoever wrote the rules: a dimension mapped to the fsdp axis that does not divide moves the fsdp split to
+the largest other dimension that divides (big_vision's rule), or leaves the parameter whole; and a parameter with
+no logical names at all is split over fsdp the same way (its largest dimension that divides). Each parameter moved
+or left whole is listed in the plan's notes. There is no size floor: a small array split over fsdp costs a small
+all-gather (XLA can combine them), and a floor would make a small model's bytes per device depend on sizes instead of
+on the mesh. `strict=True` follows the rules to the letter: such a dimension is an error, unnamed parameters stay
+whole.
 
     >>> spec_for(("embed", "mlp"), DEFAULT_RULES, mesh, "mlp.kernel.value")     # doctest: +SKIP
     PartitionSpec(<fsdp axis>, <tensor axis>)
@@ -44,6 +52,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.errors import ShardingError
 from jaxpar.names import variable_name
+from jaxpar.parallel.path_rules import MeshAxes, dimension_names, match, normalize_path_rules, rule_path
 
 LAYERS = "layers"  # the logical name of a stacked block's leading (layer) dimension
 
@@ -96,11 +105,13 @@ def validate_rules(rules, mesh: Mesh) -> None:
                                     f"mesh axes are {', '.join(mesh.axis_names)} (or None to replicate)")
 
 
-def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: bool = True, notes=None) -> P:
-    """The PartitionSpec of one array whose dimensions carry `logical_names` (None = unnamed).
+def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: bool = True, notes=None,
+             rule: str | None = None) -> P:
+    """The PartitionSpec of one array whose dimensions carry `logical_names` (None = unnamed; a `MeshAxes` entry,
+    from a path rule, names mesh axes directly).
 
     `strict=False` lets an fsdp placement that does not divide fall back (see the module docstring); `notes`, a
-    `PlanNotes`, collects what fell back.
+    `PlanNotes`, collects what fell back; `rule`: the path rule the names come from (for messages).
     """
     if logical_names is None:
         return P()
@@ -108,49 +119,87 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
     pairs = normalize_rules(rules)
     entries: list[tuple[str, ...]] = []
     used: dict[str, int] = {}
-    misplaced = []  # (dim, axis): fsdp placements that did not divide (non-strict only)
+    misplaced = []  # fsdp placements that did not divide (non-strict only)
     for dim, logical in enumerate(logical_names):
-        candidates = [axes for name, axes in pairs if name == logical] if logical is not None else []
+        if isinstance(logical, MeshAxes):
+            candidates = [tuple(logical)]
+        else:
+            candidates = [axes for name, axes in pairs if name == logical] if logical is not None else []
         axes: tuple[str, ...] = ()
         for option in candidates:
-            if is_list and any(a in used for a in option):
+            if is_list and any(a in used for a in option) and not isinstance(logical, MeshAxes):
                 continue  # Flax: the next rule for this name whose mesh axes are still free
             axes = option
             break
         for axis in axes:
             if axis in used:
-                raise ShardingError(f"parameter {where}: dimensions {used[axis]} ({logical_names[used[axis]]!r}) and "
-                                    f"{dim} ({logical!r}) both map to mesh axis {axis!r}; change the rules so each "
-                                    f"mesh axis shards at most one dimension")
+                shaped = "" if shape is None else f" of shape {tuple(shape)}"
+                raise ShardingError(f"parameter {where}{shaped}: dimensions {used[axis]} "
+                                    f"({logical_names[used[axis]]!r}) and {dim} ({logical!r}) both map to mesh axis "
+                                    f"{axis!r}; change the {'path rule' if rule else 'rules'} so each mesh axis "
+                                    f"shards at most one dimension")
             used[axis] = dim
         if shape is not None and axes and shape[dim] % mesh_lib.size(mesh, axes):
             soft = tuple(a for a in axes if a == mesh_lib.FSDP_AXIS)
             hard = tuple(a for a in axes if a != mesh_lib.FSDP_AXIS)
             if strict or shape[dim] % mesh_lib.size(mesh, hard):
-                ways = mesh_lib.size(mesh, axes)
-                joined = "x".join(axes)
-                fix = f"a smaller {joined} axis, or map {logical!r} to None in the rules"
-                if axes == (mesh_lib.STAGE_AXIS,):  # unsplit layers would leave nothing to pipeline: no None
-                    fits = max(d for d in range(1, ways + 1) if shape[dim] % d == 0)
-                    fix = f"or a {joined} axis that divides {shape[dim]} (e.g. {joined}={fits})"
-                raise ShardingError(f"model dimension {logical!r} = {shape[dim]} (parameter {where}) is not divisible "
-                                    f"by mesh axis {joined!r} of size {ways}; choose {logical} divisible by "
-                                    f"{ways}, {fix}")
+                failing = hard if hard and shape[dim] % mesh_lib.size(mesh, hard) else axes
+                raise ShardingError(_indivisible(where, shape, dim, logical, failing, mesh, rule))
             for axis in soft:
                 misplaced.append(axis)
                 del used[axis]
             axes = hard
         entries.append(axes)
     for axis in misplaced:
-        _place_elsewhere(entries, axis, mesh, shape, where, notes)
+        dim = _place_elsewhere(entries, axis, mesh, shape)
+        if notes is not None and dim is not None:
+            notes.moved.append((where, tuple(shape), dim))
+        elif notes is not None:
+            notes.whole.append((where, tuple(shape)))
+    return _spec(entries, mesh)
+
+
+def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None) -> P:
+    """The spec of a parameter without logical names: split over fsdp along its largest dimension that divides
+    (big_vision's rule), or whole when none does (listed in `notes`; a scalar has nothing to split)."""
+    entries: list[tuple[str, ...]] = [()] * len(shape)
+    if mesh_lib.size(mesh, mesh_lib.FSDP_AXIS) == 1:
+        return REPLICATED  # as for any parameter without names: nothing to split
+    dim = _place_elsewhere(entries, mesh_lib.FSDP_AXIS, mesh, shape)
+    if notes is not None:
+        if dim is not None:
+            notes.fsdp_auto += 1
+        elif len(shape):
+            notes.whole.append((where, tuple(shape)))
+    return _spec(entries, mesh) if dim is not None else REPLICATED
+
+
+def _spec(entries, mesh: Mesh) -> P:
     # axes of size 1 split nothing: leaving them out keeps specs readable (no fsdp entry on a mesh without fsdp)
     entries = [tuple(a for a in axes if mesh.shape[a] > 1) for axes in entries]
     return P(*[a[0] if len(a) == 1 else (a or None) for a in entries])
 
 
-def _place_elsewhere(entries, axis, mesh, shape, where, notes) -> None:
-    """big_vision's fsdp rule for one axis whose named dimension did not divide: the largest dimension that does
-    (an unsplit one first, else one whose shard still divides), or nowhere."""
+def _indivisible(where, shape, dim, logical, axes, mesh: Mesh, rule) -> str:
+    """One line for a dimension that does not divide by its mesh axes, reading right whatever the names are."""
+    ways, joined = mesh_lib.size(mesh, axes), " x ".join(axes)
+    if isinstance(logical, MeshAxes):
+        named, change = f"path rule {rule!r}", "or change the path rule"
+    else:
+        named = f"logical {logical!r}" + (f", from path rule {rule!r}" if rule else "")
+        change = f"or map {logical!r} to None in the rules"
+    fix = f"make that dimension a multiple of {ways}, use a smaller {joined} axis, {change}"
+    if axes == (mesh_lib.STAGE_AXIS,):  # unsplit layers would leave nothing to pipeline: no None
+        fits = max(d for d in range(1, ways + 1) if shape[dim] % d == 0)
+        fix = f"make that dimension a multiple of {ways}, or use a {joined} axis that divides {shape[dim]} (e.g. " \
+              f"{joined}={fits})"
+    return (f"parameter {where} of shape {tuple(shape)}: dimension {dim} ({named}) = {shape[dim]} is not divisible "
+            f"by mesh axis {joined!r} of size {ways}; {fix}")
+
+
+def _place_elsewhere(entries, axis, mesh, shape) -> int | None:
+    """big_vision's fsdp rule for one axis: the largest dimension that divides (an unsplit one first, else one
+    whose shard still divides) gets `axis` added to `entries`; its index, or None when none divides."""
     ways = mesh_lib.size(mesh, axis)
 
     def shard(dim):
@@ -162,29 +211,40 @@ def _place_elsewhere(entries, axis, mesh, shape, where, notes) -> None:
         if group:
             dim = max(group, key=lambda d: (shape[d], -d))
             entries[dim] = entries[dim] + (axis,)
-            if notes is not None:
-                notes.moved.append((where, tuple(shape), dim))
-            return
-    if notes is not None:
-        notes.whole.append((where, tuple(shape)))
+            return dim
+    return None
+
+
+ANNOTATION_API = {"nnx": "nnx.with_partitioning", "linen": "nn.with_logical_partitioning"}
 
 
 @dataclass
 class PlanNotes:
     """What the sharding plan decided that a user should hear about (each reported once, at start-up)."""
 
+    library: str = "nnx"  # the model's own library (a key of ANNOTATION_API): the API the notes point to
     moved: list = field(default_factory=list)  # (parameter, shape, dim): fsdp moved to another dimension
     whole: list = field(default_factory=list)  # (parameter, shape): fsdp could not split it: whole on each device
     unruled: set = field(default_factory=set)  # logical names used by the model that no rule mentions
-    annotated: int = 0  # parameters with any logical names
+    annotated: int = 0  # parameters with logical names (their own, or from a path rule)
+    fsdp_auto: int = 0  # parameters without names split over fsdp automatically
     parameters: int = 0
 
     def lines(self, mesh: Mesh) -> list[str]:
         out = []
         if self.parameters and not self.annotated and mesh_lib.size(mesh, mesh_lib.PARAMETER_AXES) > 1:
-            out.append(f"the model names no parameter dimensions (nnx.with_partitioning), so every parameter is "
-                       f"replicated on all {mesh.size} devices; the {'/'.join(mesh_lib.PARAMETER_AXES)} axes only "
-                       f"split the batch")
+            how = f"name their dimensions with {ANNOTATION_API[self.library]}, or pass path_rules"
+            tensor = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS)
+            if not self.fsdp_auto:
+                out.append(f"the model names no parameter dimensions and none was split automatically, so every "
+                           f"parameter is replicated on all {mesh.size} devices; to shard them, {how}")
+            else:
+                idle = (f"; nothing is split over {mesh_lib.TENSOR_AXIS}, whose {tensor} devices hold the same "
+                        f"shards") if tensor > 1 else ""
+                out.append(f"the model names no parameter dimensions, so {self.fsdp_auto} of its {self.parameters} "
+                           f"parameters are split over {mesh_lib.FSDP_AXIS} along their largest dimension that "
+                           f"divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}{idle}; to choose the split (or "
+                           f"for tensor parallelism), {how}")
         if self.unruled:
             out.append(f"logical axis names {', '.join(sorted(self.unruled))} appear in the model but in no sharding "
                        f"rule, so those dimensions are replicated; add a rule (or map them to None to silence this)")
@@ -209,25 +269,38 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, notes: PlanNotes | None = None):
+def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, notes: PlanNotes | None = None,
+                    path_rules=(), path_root: int = 0):
     """NamedShardings for an (abstract) nnx.State, from each Variable's logical names and the rules.
 
-    On a mesh with stage > 1, a state holding parameters none of which is split over the stage axis is a
-    `ShardingError` (see `check_stages`)."""
+    A parameter (`nnx.Param`) that a path rule matches takes that rule's names instead of its own (the path starts
+    `path_root` keys into the state: a wrapper's prefix). With `strict=False`, a parameter with no names at all is
+    split over fsdp by `fsdp_anywhere`; other variables without names stay whole. On a mesh with stage > 1, a state
+    holding parameters none of which is split over the stage axis is a `ShardingError` (see `check_stages`)."""
     ruled = {name for name, _ in normalize_rules(rules)}
+    by_path = normalize_path_rules(path_rules)
     params: list[tuple[tuple, P]] = []  # (logical names, spec) of each nnx.Param
 
     def one(path, variable):
         names = logical_names_of(variable) if is_variable(variable) else None
         shape = getattr(variable, "shape", None)
-        if notes is not None and isinstance(variable, nnx.Param):
+        where, rule = variable_name(path, variable), None
+        is_param = isinstance(variable, nnx.Param)
+        if is_param and by_path and shape is not None:
+            found = match(by_path, rule_path(path[path_root:]))
+            if found is not None:
+                rule, names = found.text, dimension_names(found, shape, where, mesh.axis_names)
+        if notes is not None and is_param:
             notes.parameters += 1
-            if names and any(n is not None for n in names):
+            if names:
                 notes.annotated += 1
-                notes.unruled.update(n for n in names if n is not None and n not in ruled)
-        spec = spec_for(names, rules, mesh, variable_name(path, variable), shape, strict, notes)
-        if isinstance(variable, nnx.Param):
-            params.append((tuple(names or ()), spec))
+                notes.unruled.update(n for n in names if isinstance(n, str) and n not in ruled)
+        if is_param and not names and not strict and shape is not None:
+            spec = fsdp_anywhere(shape, mesh, where, notes)
+        else:
+            spec = spec_for(names, rules, mesh, where, shape, strict, notes, rule)
+        if is_param:
+            params.append((tuple(n for n in names or () if isinstance(n, str) or n is None), spec))
         return NamedSharding(mesh, spec)
 
     shardings = jax.tree_util.tree_map_with_path(one, abstract_state, is_leaf=is_variable)

@@ -12,8 +12,10 @@ from jaxpar.checks import check_int
 from jaxpar.errors import ConfigError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
+from jaxpar.parallel.path_rules import normalize_path_rules
 from jaxpar.pipeline.config import Pipeline
 from jaxpar.strategies import StepContext
+from jaxpar.train.linen import LinenModel
 from jaxpar.train.step import TrainState, check_optimizer, split_model
 
 
@@ -64,11 +66,16 @@ class StatePlan(NamedTuple):
 
 
 def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, grad_accum: int,
-               skip_nonfinite: bool) -> StatePlan:
-    """Traces `model` abstractly (nothing allocated) and places every part of the train state: parameters and
-    model state by `rules` (`strict`: rules given explicitly are followed, the default ones bend for FSDP),
-    optimizer state like the parameters, the rest replicated; then the strategy adds its own."""
+               skip_nonfinite: bool, path_rules=None) -> StatePlan:
+    """Traces `model` abstractly (nothing allocated) and places every part of the train state: parameters by
+    `path_rules` where one matches, else by their logical names and `rules` (`strict`: an fsdp placement that does
+    not divide is an error and unnamed parameters stay whole; otherwise both go where fsdp divides), model state
+    by `rules`, optimizer state like the parameters, the rest replicated; then the strategy adds its own."""
     shd.validate_rules(rules, mesh)
+    path_rules = normalize_path_rules(path_rules)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"strict {strict!r}: must be True (an fsdp placement that does not divide is an error) or "
+                          f"False (it moves to a dimension that divides, or the parameter stays whole)")
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     if not isinstance(abstract, nnx.Module):
@@ -79,8 +86,10 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
     abstract.train()
     graphdef, abs_params, abs_model_state = split_model(abstract)
 
-    notes = shd.PlanNotes()
-    param_sh = shd.state_shardings(abs_params, rules, mesh, strict, notes)
+    linen_model = isinstance(abstract, LinenModel)
+    notes = shd.PlanNotes(library="linen" if linen_model else "nnx")
+    # a wrapped Linen module's parameters sit under the wrapper's `linen` attribute: path rules see Linen's paths
+    param_sh = shd.state_shardings(abs_params, rules, mesh, strict, notes, path_rules, path_root=int(linen_model))
     model_state_sh = shd.state_shardings(abs_model_state, rules, mesh, strict)
     opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
     ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh, grad_accum,
