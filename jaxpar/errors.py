@@ -32,6 +32,11 @@ class ModelError(JaxparError):
     `(model, batch[, rngs]) -> (scalar loss, dict of metrics)`)."""
 
 
+class ModelCallError(ModelError):
+    """The user's model or loss function raised while a step or an evaluation was traced: one line with the step and
+    the batch's shapes (when the trainer knows them); the original exception is `__cause__`."""
+
+
 class StateError(JaxparError):
     """A train state that cannot be used: not a `TrainState`, or already donated to `Trainer.step`."""
 

@@ -330,3 +330,44 @@ def test_a_train_state_too_large_for_a_device_is_refused_before_allocating_never
     with raises(jaxpar.ResourceError, r"^the train state needs 274,877,906,9\d\d bytes per device but a device has "
                                       r"[\d,]+; use a smaller model"):
         trainer.init(0)
+
+
+# --- 10: an exception inside the model or loss: one ModelError line with the step and the batch's shapes ------------
+class Boom(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((3,)))
+
+    def __call__(self, x):
+        raise ValueError("boom\nsecond line")
+
+
+def test_an_exception_in_the_model_is_a_model_error_with_the_step_the_batch_and_the_cause():
+    trainer = jaxpar.Trainer(Boom, lambda m, b: (m(b["x"]), {}), optax.sgd(0.1), jaxpar.make_mesh("8"))
+    batch = {"x": np.zeros((16, 3), np.float32), "y": np.zeros((16,), np.int32)}
+    expected = (r"^step 0, batch \{x: \(16, 3\) float32, y: \(16,\) int32\}: the model or loss_fn raised "
+                r"ValueError: boom$")
+    with raises(jaxpar.errors.ModelCallError, expected) as info:
+        trainer.step(trainer.init(0), batch)
+    assert isinstance(info.value, ModelError) and isinstance(info.value.__cause__, ValueError)
+    with raises(jaxpar.FitError, expected) as info:
+        trainer.fit(trainer.init(0), iter([batch]), steps=1)
+    assert isinstance(info.value.__cause__, ValueError) and info.value.step == 0
+    with raises(ModelError, r"^evaluate at step 0, batch \{x: .*ValueError: boom$") as info:
+        trainer.evaluate(trainer.init(0), batch)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_jaxpar_errors_and_interrupts_in_the_loss_pass_unchanged():
+    def refuses(model, batch):
+        raise DataError("labels out of range")
+
+    trainer = jaxpar.Trainer(Boom, refuses, optax.sgd(0.1), jaxpar.make_mesh("8"))
+    with raises(DataError, r"^labels out of range"):  # (JAX adds a note about its traceback filtering)
+        trainer.step(trainer.init(0), {"x": np.zeros((16, 3), np.float32)})
+
+    def interrupted(model, batch):
+        raise KeyboardInterrupt
+
+    trainer = jaxpar.Trainer(Boom, interrupted, optax.sgd(0.1), jaxpar.make_mesh("8"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(trainer.init(0), {"x": np.zeros((16, 3), np.float32)})

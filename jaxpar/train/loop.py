@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxpar.checks import check_int
-from jaxpar.errors import FitError, JaxparError
+from jaxpar.errors import FitError, JaxparError, ModelCallError
 from jaxpar.runtime.resources import DeviceError, wait_ready
 from jaxpar.train.actions import Action, OnStep, StepEvent
 
@@ -88,7 +88,9 @@ def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterabl
         except JaxparError as error:
             if pending is not None:
                 run(pending, state, state, step_number)
-            raise FitError(str(error), state, step_number) from error
+            # the model's own exception (ModelCallError: step and batch shapes already said) is the cause itself
+            raise FitError(str(error), state, step_number) from (
+                error.__cause__ if isinstance(error, ModelCallError) and error.__cause__ is not None else error)
         state, step_number = new_state, step_number + 1
         if pending is not None:
             run(pending, None, state, step_number)

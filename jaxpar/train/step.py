@@ -28,6 +28,7 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.pipeline import scope as pipeline_scope
 from jaxpar.pipeline.config import ONE_F_ONE_B
 from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
+from jaxpar.train.model_errors import call_user
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
 
@@ -106,9 +107,10 @@ def call_loss(loss_fn, model, batch, rngs):
 
     Raises `ModelError` naming what came back instead of `(scalar loss, dict of metrics)`. Metrics are numeric
     arrays; scalars are what `fit` logs (an array metric, e.g. per-example predictions, is returned by `step` and
-    passed to actions as a numpy array, but not written to the JSONL).
+    passed to actions as a numpy array, but not written to the JSONL). Anything else the loss or the model raises
+    comes out as a `ModelCallError` (`jaxpar.train.model_errors`).
     """
-    out = loss_fn(model, batch, rngs)
+    out = call_user(loss_fn, model, batch, rngs)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise ModelError(f"{LOSS_CONTRACT}; it returned {_describe(out)}")
     loss, metrics = out

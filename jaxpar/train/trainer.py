@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.checks import check_int
 from jaxpar.cost.hardware import compiled_cost, parse_hardware
-from jaxpar.errors import ConfigError, ResourceError, StateError
+from jaxpar.errors import ConfigError, ModelCallError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as pipeline_scope
@@ -41,7 +41,10 @@ from jaxpar.runtime.resources import check_fits, check_step_memory, device_error
 from jaxpar.strategies import Strategy, Sync
 from jaxpar.train import loop
 from jaxpar.train.actions import Action
+from jaxpar.train.axes import bind_loss, check_axis_names
 from jaxpar.train.batches import BatchPlacer, indivisible_accum
+from jaxpar.train.linen import factory_notes
+from jaxpar.train.model_errors import at_step
 from jaxpar.train.setup import check_arguments, check_pipeline, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
@@ -57,8 +60,17 @@ class Trainer:
         form `rngs` is an `nnx.Rngs` with a fresh `dropout` stream every step (see `jaxpar.train.step`).
       optimizer: an optax GradientTransformation (e.g. `optax.adamw(1e-3)`, not the string "adamw").
       mesh: from `jaxpar.make_mesh` (a `Mesh` with Auto axes data, stage, fsdp, model).
-      rules: logical axis name -> mesh axis, a dict or Flax's list of pairs. None: `DEFAULT_RULES`, with automatic
-        FSDP placement (a dimension that does not divide by fsdp moves or stays whole, and is reported).
+      rules: logical axis name -> mesh axis, a dict or Flax's list of pairs (None: `DEFAULT_RULES`).
+      strict: False (default): FSDP placement never fails, whoever wrote the rules: a dimension mapped to fsdp that
+        does not divide moves to the largest dimension that does, or the parameter stays whole, and a parameter
+        with no logical names is split over fsdp along its largest dimension that divides (each reported in
+        `notes`). True: such a dimension is a `ShardingError` and unnamed parameters stay whole. A tensor-parallel
+        (model) or stage dimension that does not divide is an error either way.
+      path_rules: `[(regex over the parameter path, one entry per dimension), ...]`, as t5x / MaxText write them:
+        e.g. `[(r".*Dense_0/kernel", ("embed", "mlp")), (r".*attention.*kernel", (None, "model"))]`. The first
+        regex found (`re.search`) in a parameter's `/`-joined path (`hidden/kernel`; a `from_linen` model's Linen
+        paths, `Dense_0/kernel`) replaces its own names; an entry that is a mesh axis is used as it is, any other
+        name is a logical name mapped by `rules`. See `jaxpar.parallel.path_rules`.
       strategy: how replicas agree (default `Sync()`).
       grad_accum: microbatches per update (must divide the per-replica batch).
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
@@ -67,9 +79,15 @@ class Trainer:
       skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
         counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it and reports
         `nonfinite` = 1.0 (`actions.StopIfDiverged` then stops before that state is checkpointed).
+      batch_axis_names: axis names the model's own collectives use, as written for pmap (`lax.pmean(x, 'batch')`,
+        Linen's `BatchNorm(axis_name='batch')`), e.g. `('batch',)`: bound with size 1 around the loss, so they
+        reduce over the whole global batch under `Sync()` (sync BatchNorm) and over each replica's slice under the
+        explicit strategies (`jaxpar.train.axes`). Unbound, such a model raises `ModelError` naming the axis.
 
     A bad argument raises a `jaxpar.JaxparError` subclass naming it; a `loss_fn` that returns anything but
-    `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced. Batches: a dict of
+    `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced; an exception raised
+    inside the model or loss while a step or evaluation is traced comes out as `ModelError` (`ModelCallError`,
+    `FitError` in `fit`) naming the step and the batch's shapes, with the original as `__cause__`. Batches: a dict of
     arrays with a common leading example dimension; numpy / jax arrays, or nested lists of numbers (converted with
     `np.asarray`). Integer labels are not range-checked inside the step (that would need a device-to-host sync);
     check them on the host, e.g. with `models.losses.check_labels`. `step` donates its state (use the state it
@@ -80,17 +98,21 @@ class Trainer:
     def __init__(self, model: Callable[[nnx.Rngs], nnx.Module], loss_fn: LossFn,
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
-                 hardware=None, pipeline: Pipeline | None = None):
+                 hardware=None, pipeline: Pipeline | None = None, batch_axis_names=(), strict: bool = False,
+                 path_rules=None):
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.pipeline = check_pipeline(pipeline)
         self.hardware = parse_hardware(hardware)
         self.mesh, self.strategy, self.skip_nonfinite = mesh, strategy or Sync(), skip_nonfinite
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
-        plan = state_plan(model, with_rngs(loss_fn), optimizer, mesh, self.rules, rules is not None, self.strategy,
-                          grad_accum, skip_nonfinite)
+        self.batch_axis_names = check_axis_names(batch_axis_names, mesh.axis_names)
+        bound_loss = bind_loss(with_rngs(loss_fn), self.batch_axis_names)  # the model's own axis names bound
+        self.strict, self.path_rules = strict, path_rules
+        plan = state_plan(model, bound_loss, optimizer, mesh, self.rules, strict, self.strategy, grad_accum,
+                          skip_nonfinite, path_rules)
         self.ctx, self.plan_notes, self._eval_graphdef = plan.ctx, plan.notes, plan.eval_graphdef
-        self._eval_loss_fn = with_rngs(eval_loss_fn or loss_fn)
+        self._eval_loss_fn = bind_loss(with_rngs(eval_loss_fn or loss_fn), self.batch_axis_names)
         self.neutral_shardings, self.state_shardings = plan.neutral_shardings, plan.state_shardings
         self.batches = BatchPlacer(mesh)
         self.batch_sharding = self.batches.sharding
@@ -167,8 +189,9 @@ class Trainer:
     # --- public API ----------------------------------------------------------------------------------------------
     @property
     def notes(self) -> list[str]:
-        """What the sharding plan decided that you should know (replicated names, parameters FSDP left whole)."""
-        return self.plan_notes.lines(self.mesh)
+        """What the sharding plan decided that you should know (replicated names, parameters FSDP left whole), and
+        what `from_linen` inferred (train_kwargs / eval_kwargs)."""
+        return self.plan_notes.lines(self.mesh) + factory_notes(self._factory)
 
     @property
     def trace_count(self) -> int:
@@ -266,11 +289,14 @@ class Trainer:
         placed = self.batches.place(batch)
         signature = self._signature(plan.variant, placed)
         compiles = signature not in self._compiled
-        self._check_step_memory(signature, plan, state, placed, rows, step_number)
-        try:
-            state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
-        except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
-            raise device_error(error, step_number) from None
+        try:  # the first call of a variant on a batch shape traces the model and the loss
+            self._check_step_memory(signature, plan, state, placed, rows, step_number)
+            try:
+                state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
+            except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
+                raise device_error(error, step_number) from None
+        except ModelCallError as error:
+            raise at_step(error, step_number, placed) from error.__cause__
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
@@ -350,7 +376,11 @@ class Trainer:
     def evaluate(self, state: TrainState, batch) -> dict[str, jax.Array]:
         """`loss_fn`'s metrics in eval mode (no dropout, BatchNorm running averages) on one global batch."""
         self.check_state(state)
-        return self._eval(state, self.shard_batch(batch))
+        placed = self.shard_batch(batch)
+        try:
+            return self._eval(state, placed)
+        except ModelCallError as error:
+            raise at_step(error, int(jax.device_get(state.step)), placed, "evaluate at step") from error.__cause__
 
     def params(self, state: TrainState) -> dict:
         """The full parameters, gathered from all shards, as a nested dict of numpy arrays."""
