@@ -11,7 +11,10 @@ Axes, outermost to innermost (the device grid is laid out in this order, so `mod
 - `model`: Megatron-style tensor parallelism.
 
 Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`,
-`STAGE_AXIS`, ...) and never spells an axis name.
+`STAGE_AXIS`, ...) and never spells an axis name. A model written for explicit sharding names its own axes
+(`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`): the mesh keeps one axis per role in the
+order above, so the axis playing a role is the one at that role's place, and `axis_name(mesh, role)` gives its
+name (on today's meshes, the role's own name).
 
 Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
 `"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`; absent axes have size 1; `-1` once
