@@ -11,7 +11,10 @@ Axes, outermost to innermost (the device grid is laid out in this order, so `mod
 - `model`: Megatron-style tensor parallelism.
 
 Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`,
-`STAGE_AXIS`, ...) and never spells an axis name.
+`STAGE_AXIS`, ...) and never spells an axis name. A model written for explicit sharding names its own axes
+(`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`): the mesh keeps one axis per role in the
+order above, so the axis playing a role is the one at that role's place, and `axis_name(mesh, role)` gives its
+name (on today's meshes, the role's own name).
 
 Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
 `"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`; absent axes have size 1; `-1` once
@@ -27,6 +30,7 @@ user already chose a count, or JAX has already started) so that `--mesh 2x4` jus
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -58,18 +62,25 @@ _FORMS = ("'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model) or na
           "'data=2,fsdp=2,model=2', 'fsdp=8' or 'stage=4'; -1 in one place means all remaining devices")
 
 
-def parse_mesh_spec(spec: str) -> tuple[int, ...]:
-    """Sizes of `AXES` in order; -1 stands for "all remaining devices" and is resolved by `resolve_shape`."""
+def parse_mesh_spec(spec: str, roles: dict[str, str] | None = None) -> tuple[int, ...]:
+    """Sizes of `AXES` (i.e. of the roles) in order; -1 stands for "all remaining devices" and is resolved by
+    `resolve_shape`. `roles` (checked by `check_roles`): the model's own axis names, each playing one role."""
     text = str(spec).strip().replace(" ", "")
+    roles = roles or {}
     sizes: dict[str, int] = {}
+    given: dict[str, str] = {}  # role -> the axis name that gave its size
     if "=" in text:
         for part in text.split(","):
             name, _, value = part.partition("=")
-            if name not in AXES:
-                raise MeshError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {', '.join(AXES)} ({_FORMS})")
-            if name in sizes:
-                raise MeshError(f"--mesh {spec!r}: axis {name!r} given twice ({_FORMS})")
-            sizes[name] = _parse_size(spec, value)
+            if name not in AXES and name not in roles:
+                own = f" or the roles' names {', '.join(roles)}" if roles else (
+                    "; an axis of the model's own name needs roles={name: role}")
+                raise MeshError(f"--mesh {spec!r}: unknown axis {name!r}; axes are {', '.join(AXES)}{own} ({_FORMS})")
+            role = roles.get(name, name)
+            if role in sizes:
+                other = "given twice" if given[role] == name else f"plays role {role!r}, as {given[role]!r} does"
+                raise MeshError(f"--mesh {spec!r}: axis {name!r} {other} ({_FORMS})")
+            sizes[role], given[role] = _parse_size(spec, value), name
     else:
         parts = text.lower().split("x")
         if len(parts) not in _POSITIONAL:
@@ -163,7 +174,38 @@ def ensure_cpu_devices(count: int) -> None:
         jax.config.update("jax_num_cpu_devices", count)
 
 
-def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
+AUTO, EXPLICIT = "auto", "explicit"  # make_mesh's axis_types
+_AXIS_TYPES = {AUTO: AxisType.Auto, EXPLICIT: AxisType.Explicit}
+
+
+def check_roles(roles) -> dict[str, str]:
+    """`roles` as a dict {the model's axis name: jaxpar role}; each mistake is one MeshError line."""
+    if roles is None:
+        return {}
+    if not isinstance(roles, dict) or not all(isinstance(k, str) and k for k in roles):
+        raise MeshError(f"roles {roles!r}: give a dict mapping your axis names to jaxpar roles "
+                        f"({', '.join(AXES)}), e.g. roles={{'tp': '{MODEL}'}}")
+    seen: dict[str, str] = {}
+    for name, role in roles.items():
+        if role not in AXES:
+            raise MeshError(f"roles: axis {name!r} -> unknown role {role!r}; roles are {', '.join(AXES)}")
+        if name in AXES and name != role:
+            raise MeshError(f"roles: axis {name!r} -> {role!r}: {name!r} is jaxpar's name for the {name} role; "
+                            f"give the {role} axis another name")
+        if role in seen:
+            raise MeshError(f"roles: axes {seen[role]!r} and {name!r} both play role {role!r}; one axis per role")
+        seen[role] = name
+    return dict(roles)
+
+
+def axis_names_for(roles: dict[str, str]) -> tuple[str, ...]:
+    """The mesh's axis names in role order (`AXES`): the model's own name where `roles` gives one, else jaxpar's."""
+    own = {role: name for name, role in roles.items()}
+    return tuple(own.get(role, role) for role in AXES)
+
+
+def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: dict[str, str] | None = None,
+              axis_types: str = AUTO) -> Mesh:
     """Builds the (data, stage, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first
     devices.
 
@@ -177,9 +219,20 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
     On CPU, JAX creates its devices when it starts: `make_mesh` asks for as many as the mesh needs if it runs
     first (and the user did not choose a count); a mesh larger than the devices JAX already started with is a
     `MeshError` saying how to get more.
+
+    Models written for JAX's explicit sharding (jax-ml/bonsai's) name their own axes: `roles` maps each such name
+    to the jaxpar role it plays (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`); the
+    mesh keeps one axis per role in jaxpar's order, named by the model where it says so. `axis_types`: "auto"
+    (above) or "explicit" (`AxisType.Explicit`: shardings are part of the arrays' types, as such models expect;
+    the Trainer then traces under `jax.set_mesh`).
     """
+    roles = check_roles(roles)
+    if axis_types not in _AXIS_TYPES:
+        raise MeshError(f"axis_types {axis_types!r}: give {AUTO!r} (the compiler partitions what shardings leave "
+                        f"open) or {EXPLICIT!r} (shardings in the arrays' types, for models written with "
+                        f"out_sharding=P(...))")
     library = not isinstance(spec, str)
-    shape = _tuple_shape(spec) if library else parse_mesh_spec(spec)
+    shape = _tuple_shape(spec) if library else parse_mesh_spec(spec, roles)
     started = backend_started()
     if devices is None:
         if -1 not in shape:
@@ -190,7 +243,7 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None) -> Mesh:
         cpu_hint = False
     shape = resolve_shape(shape, len(devices), repr(spec) if library else spec, library=library, cpu_hint=cpu_hint)
     grid = device_grid(shape, devices, repr(spec) if library else spec, library=library)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return Mesh(grid, axis_names_for(roles), axis_types=(_AXIS_TYPES[axis_types],) * len(AXES))
 
 
 def device_grid(shape: tuple[int, ...], devices, spec: str = "", *, library: bool = False) -> np.ndarray:
@@ -272,24 +325,74 @@ def _tuple_shape(spec) -> tuple[int, ...]:
 
 
 def check_mesh(mesh) -> None:
-    """Refuses a mesh jaxpar cannot use: anything but a `Mesh` with Auto axes `AXES` (data, stage, fsdp, model) in
-    that order, as `make_mesh` builds it."""
+    """Refuses a mesh jaxpar cannot use: anything but a `Mesh` as `make_mesh` builds it: one axis per role in the
+    order of `AXES` (data, stage, fsdp, model), each named by jaxpar or by `roles` (a name of jaxpar's only for its
+    own role), all of them Auto or all Explicit."""
     fix = f"build it with jaxpar.make_mesh (axes {', '.join(AXES)}, e.g. jaxpar.make_mesh('2x4'))"
     if not isinstance(mesh, Mesh):
         raise MeshError(f"mesh {mesh!r}: not a jax.sharding.Mesh; {fix}")
-    if tuple(mesh.axis_names) != AXES:
-        raise MeshError(f"mesh with axes {tuple(mesh.axis_names)}: jaxpar needs a mesh from jaxpar.make_mesh with "
-                        f"axes {', '.join(AXES)}; {fix}")
-    if any(t != AxisType.Auto for t in mesh.axis_types):
-        raise MeshError(f"mesh with axis types {tuple(str(t) for t in mesh.axis_types)}: jaxpar needs AxisType.Auto "
-                        f"axes (jax.make_mesh defaults to Explicit); {fix}")
+    names = tuple(mesh.axis_names)
+    if len(names) != len(AXES) or any(n in AXES and n != role for n, role in zip(names, AXES)):
+        raise MeshError(f"mesh with axes {names}: jaxpar needs a mesh from jaxpar.make_mesh with axes "
+                        f"{', '.join(AXES)} (or your own names for them, make_mesh(..., roles={{'tp': '{MODEL}'}})); "
+                        f"{fix}")
+    if len(set(mesh.axis_types)) != 1 or mesh.axis_types[0] not in _AXIS_TYPES.values():
+        raise MeshError(f"mesh with axis types {tuple(str(t) for t in mesh.axis_types)}: jaxpar needs all axes "
+                        f"AxisType.Auto or all AxisType.Explicit (make_mesh(..., axis_types='explicit')); {fix}")
 
 
 # --- questions asked by role ---------------------------------------------------------------------------------------
+# The axis playing a role is the mesh's axis at that role's place in `AXES` (make_mesh and check_mesh keep that
+# order), so a mesh with the model's own names needs no table beside it. The role constants above are jaxpar's
+# names; on a mesh from `make_mesh(..., roles=...)` they are translated by `axis_name` where a sharding is built.
+def axis_name(mesh, axis: str) -> str:
+    """The mesh's name for `axis`: a role (one of `AXES`) -> the name of the axis playing it on `mesh`; a name the
+    mesh has, or any other string, unchanged. On a mesh with jaxpar's names, the identity."""
+    names = tuple(mesh.axis_names)
+    if axis in names or axis not in AXES or len(names) != len(AXES):
+        return axis
+    return names[AXES.index(axis)]
+
+
+def axis_names(mesh, axes) -> tuple[str, ...]:
+    """`axis_name` of one axis or role, or of each in a tuple of them."""
+    return tuple(axis_name(mesh, a) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def is_explicit(mesh) -> bool:
+    """True when the mesh's axes are `AxisType.Explicit`: tracing must then happen under `jax.set_mesh`."""
+    return bool(mesh.axis_types) and all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def own_names(mesh) -> bool:
+    """True when the mesh is not one of today's: its axes carry the model's own names, or they are Explicit."""
+    return tuple(mesh.axis_names) != AXES or is_explicit(mesh)
+
+
+def tracing(mesh):
+    """The context jaxpar traces, initialises, steps and evaluates in: `jax.set_mesh(mesh)` on an Explicit mesh
+    (partition specs inside the model need it, and it cannot be entered inside jit), nothing otherwise."""
+    return jax.set_mesh(mesh) if is_explicit(mesh) else contextlib.nullcontext()
+
+
+class InMesh:
+    """A jitted function called and lowered under `tracing(mesh)` (jit traces at its first call or `lower`)."""
+
+    def __init__(self, jitted, mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def __call__(self, *args, **kwargs):
+        with tracing(self.mesh):
+            return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with tracing(self.mesh):
+            return self.jitted.lower(*args, **kwargs)
+
+
 def size(mesh: Mesh, axes) -> int:
-    """Devices along one axis name or a tuple of them (1 for axes the mesh lacks)."""
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(mesh.shape.get(a, 1) for a in names)
+    """Devices along one axis name (or role) or a tuple of them (1 for axes the mesh lacks)."""
+    return math.prod(mesh.shape.get(a, 1) for a in axis_names(mesh, axes))
 
 
 def replica_count(mesh: Mesh) -> int:
@@ -303,4 +406,4 @@ def batch_ways(mesh: Mesh) -> int:
 
 def shape_line(mesh: Mesh) -> str:
     """'data=2 x stage=1 x fsdp=1 x model=4' for progress output (every axis, sizes of 1 included)."""
-    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in AXES)
+    return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in mesh.axis_names)

@@ -99,7 +99,7 @@ def normalize_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 def validate_rules(rules, mesh: Mesh) -> None:
     for logical, axes in normalize_rules(rules):
-        for axis in axes:
+        for axis in mesh_lib.axis_names(mesh, axes):
             if axis not in mesh.axis_names:
                 raise ShardingError(f"sharding rule {logical!r} -> {axis!r} names a mesh axis that does not exist; "
                                     f"mesh axes are {', '.join(mesh.axis_names)} (or None to replicate)")
@@ -126,6 +126,7 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
         else:
             candidates = [axes for name, axes in pairs if name == logical] if logical is not None else []
         axes: tuple[str, ...] = ()
+        candidates = [mesh_lib.axis_names(mesh, option) for option in candidates]  # roles -> the mesh's names
         for option in candidates:
             if is_list and any(a in used for a in option) and not isinstance(logical, MeshAxes):
                 continue  # Flax: the next rule for this name whose mesh axes are still free
@@ -140,8 +141,9 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
                                     f"shards at most one dimension")
             used[axis] = dim
         if shape is not None and axes and shape[dim] % mesh_lib.size(mesh, axes):
-            soft = tuple(a for a in axes if a == mesh_lib.FSDP_AXIS)
-            hard = tuple(a for a in axes if a != mesh_lib.FSDP_AXIS)
+            fsdp = mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS)
+            soft = tuple(a for a in axes if a == fsdp)
+            hard = tuple(a for a in axes if a != fsdp)
             if strict or shape[dim] % mesh_lib.size(mesh, hard):
                 failing = hard if hard and shape[dim] % mesh_lib.size(mesh, hard) else axes
                 raise ShardingError(_indivisible(where, shape, dim, logical, failing, mesh, rule))
@@ -165,7 +167,7 @@ def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None) -> P:
     entries: list[tuple[str, ...]] = [()] * len(shape)
     if mesh_lib.size(mesh, mesh_lib.FSDP_AXIS) == 1:
         return REPLICATED  # as for any parameter without names: nothing to split
-    dim = _place_elsewhere(entries, mesh_lib.FSDP_AXIS, mesh, shape)
+    dim = _place_elsewhere(entries, mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS), mesh, shape)
     if notes is not None:
         if dim is not None:
             notes.fsdp_auto += 1
@@ -189,7 +191,7 @@ def _indivisible(where, shape, dim, logical, axes, mesh: Mesh, rule) -> str:
         named = f"logical {logical!r}" + (f", from path rule {rule!r}" if rule else "")
         change = f"or map {logical!r} to None in the rules"
     fix = f"make that dimension a multiple of {ways}, use a smaller {joined} axis, {change}"
-    if axes == (mesh_lib.STAGE_AXIS,):  # unsplit layers would leave nothing to pipeline: no None
+    if axes == mesh_lib.axis_names(mesh, mesh_lib.STAGE_AXIS):  # unsplit layers would leave nothing to pipeline: no None
         fits = max(d for d in range(1, ways + 1) if shape[dim] % d == 0)
         fix = f"make that dimension a multiple of {ways}, or use a {joined} axis that divides {shape[dim]} (e.g. " \
               f"{joined}={fits})"
@@ -232,6 +234,7 @@ class PlanNotes:
 
     def lines(self, mesh: Mesh) -> list[str]:
         out = []
+        tensor_axis, fsdp_axis = (mesh_lib.axis_name(mesh, a) for a in (mesh_lib.TENSOR_AXIS, mesh_lib.FSDP_AXIS))
         if self.parameters and not self.annotated and mesh_lib.size(mesh, mesh_lib.PARAMETER_AXES) > 1:
             how = f"name their dimensions with {ANNOTATION_API[self.library]}, or pass path_rules"
             tensor = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS)
@@ -239,10 +242,10 @@ class PlanNotes:
                 out.append(f"the model names no parameter dimensions and none was split automatically, so every "
                            f"parameter is replicated on all {mesh.size} devices; to shard them, {how}")
             else:
-                idle = (f"; nothing is split over {mesh_lib.TENSOR_AXIS}, whose {tensor} devices hold the same "
+                idle = (f"; nothing is split over {tensor_axis}, whose {tensor} devices hold the same "
                         f"shards") if tensor > 1 else ""
                 out.append(f"the model names no parameter dimensions, so {self.fsdp_auto} of its {self.parameters} "
-                           f"parameters are split over {mesh_lib.FSDP_AXIS} along their largest dimension that "
+                           f"parameters are split over {fsdp_axis} along their largest dimension that "
                            f"divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}{idle}; to choose the split (or "
                            f"for tensor parallelism), {how}")
         if self.unruled:
@@ -251,7 +254,7 @@ class PlanNotes:
         if self.whole:
             listed = ", ".join(f"{name} {list(shape)}" for name, shape in self.whole[:6])
             more = f" and {len(self.whole) - 6} more" if len(self.whole) > 6 else ""
-            out.append(f"fsdp: {len(self.whole)} parameter(s) stay whole on every {mesh_lib.FSDP_AXIS} device (no "
+            out.append(f"fsdp: {len(self.whole)} parameter(s) stay whole on every {fsdp_axis} device (no "
                        f"dimension divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}): {listed}{more}")
         if self.moved:
             listed = ", ".join(f"{name} {list(shape)} on dim {dim}" for name, shape, dim in self.moved[:6])
@@ -269,6 +272,29 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def own_axes(names, variable, ruled, mesh: Mesh):
+    """A variable's dimension names with those that name mesh axes (and no rule) marked `MeshAxes`: a model
+    written for explicit sharding (`nnx.with_partitioning(init, P("fsdp", "tp"))`) places its parameters itself.
+    Without names, the spec of the sharding its initializer gave it (`init(key, shape, out_sharding=P(...))`, traced
+    under `jax.set_mesh`), if any. Other names stay logical names for the rules."""
+    if not names and is_variable(variable):
+        sharding = getattr(variable.get_value(), "sharding", None)
+        spec = getattr(sharding, "spec", None) if isinstance(sharding, NamedSharding) else None
+        names = tuple(spec) if spec is not None and any(e is not None for e in spec) else names
+    if not names:
+        return names
+    mesh_axes = set(mesh.axis_names) | set(mesh_lib.AXES)
+
+    def one(name):
+        group = (name,) if isinstance(name, str) else name
+        if (isinstance(group, tuple) and group and not isinstance(name, MeshAxes)
+                and all(isinstance(a, str) and a in mesh_axes and a not in ruled for a in group)):
+            return MeshAxes(group)
+        return name
+
+    return tuple(one(n) for n in names)
+
+
 def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, notes: PlanNotes | None = None,
                     path_rules=(), path_root: int = 0):
     """NamedShardings for an (abstract) nnx.State, from each Variable's logical names and the rules.
@@ -282,7 +308,7 @@ def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, note
     params: list[tuple[tuple, P]] = []  # (logical names, spec) of each nnx.Param
 
     def one(path, variable):
-        names = logical_names_of(variable) if is_variable(variable) else None
+        names = own_axes(logical_names_of(variable) if is_variable(variable) else None, variable, ruled, mesh)
         shape = getattr(variable, "shape", None)
         where, rule = variable_name(path, variable), None
         is_param = isinstance(variable, nnx.Param)
@@ -313,7 +339,8 @@ def check_stages(params, mesh: Mesh) -> None:
     axis: otherwise every stage would hold and run the whole model, and the pipeline would have nothing to split.
     No parameters at all (a state of buffers only) is not checked."""
     stages = mesh_lib.size(mesh, mesh_lib.STAGE_AXIS)
-    if stages == 1 or not params or any(mesh_lib.STAGE_AXIS in split_axes(spec) for _, spec in params):
+    stage = mesh_lib.axis_name(mesh, mesh_lib.STAGE_AXIS)
+    if stages == 1 or not params or any(stage in split_axes(spec) for _, spec in params):
         return
     where = f"mesh {mesh_lib.STAGE_AXIS}={stages}"
     no_stage = f"use a mesh without {mesh_lib.STAGE_AXIS}"
@@ -354,8 +381,18 @@ def _drop_axes(spec, keep) -> P:
 def gathered_over(shardings, axis: str):
     """The shardings with `axis` dropped from every spec: the layout a parameter is used in under ZeRO-3 (whole over
     fsdp, still split over model), while it is stored as `shardings` say."""
-    return jax.tree.map(lambda s: NamedSharding(s.mesh, _drop_axes(s.spec, lambda a: a != axis)), shardings,
-                        is_leaf=_is_sharding)
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, _drop_axes(s.spec, lambda a: a != mesh_lib.axis_name(
+        s.mesh, axis))), shardings, is_leaf=_is_sharding)
+
+
+def constrain(tree, shardings):
+    """`tree` laid out as `shardings` say, inside a traced function: `with_sharding_constraint` on an Auto mesh,
+    `jax.sharding.reshard` on an Explicit one (where a sharding is part of the type and the constraint only
+    asserts it)."""
+    first = next(iter(jax.tree.leaves(shardings, is_leaf=_is_sharding)), None)
+    if first is not None and mesh_lib.is_explicit(first.mesh):
+        return jax.sharding.reshard(tree, shardings)
+    return jax.lax.with_sharding_constraint(tree, shardings)
 
 
 def within_replica_specs(shardings):
@@ -401,14 +438,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, REPLICATED)
 
 
-def batch_spec(leading=()) -> P:
-    """Examples over the batch axes; `leading` unsplit dimensions in front (e.g. a microbatch axis)."""
-    return P(*leading, mesh_lib.BATCH_AXES)
+def batch_spec(leading=(), mesh=None) -> P:
+    """Examples over the batch axes (by `mesh`'s names, if given); `leading` unsplit dimensions in front (e.g. a
+    microbatch axis)."""
+    if mesh is None:
+        return P(*leading, mesh_lib.BATCH_AXES)
+    axes = mesh_lib.axis_names(mesh, mesh_lib.BATCH_AXES)
+    if mesh_lib.is_explicit(mesh):  # a sharding is part of an Explicit array's type: axes of size 1 would show in it
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    return P(*leading, axes[0] if len(axes) == 1 else (axes or None))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (example) dimension split over the batch axes, everything else replicated."""
-    return NamedSharding(mesh, batch_spec())
+    return NamedSharding(mesh, batch_spec(mesh=mesh))
 
 
 def restore_sharding(mesh: Mesh, like: NamedSharding | None, stacked_copy: bool = False) -> NamedSharding:

@@ -9,6 +9,7 @@ import itertools
 from jaxpar.checks import check_int
 from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
 from jaxpar.errors import ConfigError
+from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import Communicator
 from jaxpar.parallel.collectives import communicator as make_communicator
 from jaxpar.strategies.base import Expected
@@ -58,6 +59,11 @@ class StrategyBase:
     def check_against_mesh(self, ctx) -> None:
         """The checks that need the replica count, run when the trainer is built (before anything compiles)."""
         self.stragglers.check(ctx.num_replicas)
+        if self.local_statistics and mesh_lib.own_names(ctx.mesh):
+            raise ConfigError(f"strategy {self.name!r} (allreduce {self.allreduce or 'psum'!r}): its replicas run "
+                              f"in a shard_map over the replica axis, which jaxpar does not build yet on a mesh with the "
+                              f"model's own axis names or Explicit axes ({mesh_lib.shape_line(ctx.mesh)}); use "
+                              f"jaxpar.Sync() (the compiler's averaging) on this mesh")
         if self.communicator is not None:
             self.communicator.check(ctx.num_replicas)
 

@@ -15,10 +15,9 @@ clock, with `stragglers`, charges each step the slowest replica's time).
 
 from __future__ import annotations
 
-import jax
 
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.partitioning import gathered_over
+from jaxpar.parallel.partitioning import constrain, gathered_over
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import Clock, StrategyBase
@@ -82,11 +81,11 @@ class Sync(StrategyBase):
                 # ZeRO-3: use the parameters whole over fsdp (all-gathered), keep their gradients split like the
                 # stored parameters (reduce-scattered). Left alone, the partitioner splits each matmul over the
                 # fsdp-sharded contracting dimension and moves activations instead: 12-24x the bytes (measured).
-                params = jax.lax.with_sharding_constraint(params, gathered)
+                params = constrain(params, gathered)
             loss, metrics, model_state, grads = loss_and_grad(
                 ctx.graphdef, ctx.loss_fn, params, state.model_state, batch, step_key(state), ctx.grad_accum)
             if zero3:
-                grads = jax.lax.with_sharding_constraint(grads, ctx.param_shardings)
+                grads = constrain(grads, ctx.param_shardings)
             params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
             return state._replace(step=state.step + 1, params=params, model_state=model_state,
                                   opt_state=opt_state), {"loss": loss, **metrics}

@@ -72,11 +72,15 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
     not divide is an error and unnamed parameters stay whole; otherwise both go where fsdp divides), model state
     by `rules`, optimizer state like the parameters, the rest replicated; then the strategy adds its own."""
     shd.validate_rules(rules, mesh)
+    if mesh_lib.own_names(mesh) and mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) > 1:
+        raise ConfigError(f"mesh {mesh_lib.shape_line(mesh)}: a pipeline (stage > 1) is not built yet on a mesh "
+                          f"with the model's own axis names or Explicit axes; use make_mesh without roles / "
+                          f"axis_types for pipeline parallelism")
     path_rules = normalize_path_rules(path_rules)
     if not isinstance(strict, bool):
         raise ConfigError(f"strict {strict!r}: must be True (an fsdp placement that does not divide is an error) or "
                           f"False (it moves to a dimension that divides, or the parameter stays whole)")
-    with nnx.use_eager_sharding(False):
+    with mesh_lib.tracing(mesh), nnx.use_eager_sharding(False):  # a model's own partition specs need the mesh
         abstract = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     if not isinstance(abstract, nnx.Module):
         raise ModelError(f"model: the factory returned {type(abstract).__name__}, not an nnx.Module; it must be "
