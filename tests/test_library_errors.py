@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType
 import pytest
 from flax import nnx
 
@@ -92,9 +93,10 @@ def test_mesh_not_from_make_mesh():
     with raises(MeshError, r"^mesh with axes \('x',\): jaxpar needs a mesh from jaxpar.make_mesh with axes data, "
                            r"stage, fsdp, model"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), jax.make_mesh((8,), ("x",)))
-    with raises(MeshError, r"^mesh with axis types .*: jaxpar needs AxisType.Auto axes \(jax.make_mesh defaults to "
-                           r"Explicit\)"):
-        jaxpar.Trainer(factory, loss, optax.sgd(0.1), jax.make_mesh((2, 1, 2, 2), ("data", "stage", "fsdp", "model")))
+    mixed = (AxisType.Explicit, AxisType.Auto, AxisType.Auto, AxisType.Auto)
+    with raises(MeshError, r"^mesh with axis types .*: jaxpar needs all axes AxisType.Auto or all AxisType.Explicit"):
+        jaxpar.Trainer(factory, loss, optax.sgd(0.1),
+                       jax.make_mesh((2, 1, 2, 2), ("data", "stage", "fsdp", "model"), axis_types=mixed))
     with raises(MeshError, r"^mesh '2x4': not a jax.sharding.Mesh; build it with jaxpar.make_mesh"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), "2x4")
 

@@ -108,7 +108,8 @@ def test_check_mesh_names_the_four_axes_for_a_three_axis_mesh():
     old = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "model"),
                axis_types=(AxisType.Auto,) * 3)
     with pytest.raises(jaxpar.MeshError, match=r"^mesh with axes \('data', 'fsdp', 'model'\): jaxpar needs a mesh "
-                                               r"from jaxpar.make_mesh with axes data, stage, fsdp, model; "):
+                                               r"from jaxpar.make_mesh with axes data, stage, fsdp, model \(or your own "
+                                               r"names for them"):
         mesh_lib.check_mesh(old)
 
 
