@@ -161,6 +161,7 @@ def test_explain_reads_ticks_bubble_and_stage_traffic_from_the_compiled_schedule
     assert sorted(d for loop in loops for d in loop["directions"]) == (
         ["both", "both"] if name == "1f1b" else ["left", "right"])
     assert p["ticks"] == p["ticks_theory"] == pipeline.ticks(S) == ticks
+    assert p["kept_inputs"] == (S if name == "1f1b" else ticks)  # 1F1B's stash, or one input per forward tick
     assert p["bubble"] == p["bubble_theory"] == pipeline.bubble(S) == bubble  # exactly: the same integer fraction
     assert p["activation"]["bytes"] == A and p["activation"]["shape"] == [WIDTH]
     assert p["stage_bytes_theory"] == stage_bytes
@@ -212,6 +213,8 @@ def test_the_explain_text_keeps_its_lines_and_adds_the_pipeline():
     assert any(line.startswith(f"    bubble (compiled): 3 idle of {ticks} ticks") for line in lines)
     assert any(line.startswith(f"    stage traffic (the ticks' collective-permutes, busiest device, per step): "
                                f"{2 * ticks * A:,} bytes") and "measured / theory 1.000" in line for line in lines)
+    assert (f"    activations kept for the backward per device (theory): {S} stage inputs = {S * A:,} bytes; GPipe "
+            f"keeps M+S-1 = {ticks} ({S / ticks:.2f} of it)") in lines
     assert "0 collective(s) not explained by theory" in text
     assert "every while body counted its trip count times" in text
 

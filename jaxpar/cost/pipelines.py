@@ -152,6 +152,10 @@ def report(trainer, batch, ops) -> dict | None:
         rows = x.shape[0] / ways
         activation = int(rows * math.prod(x.shape[1:]) * np.dtype(x.dtype).itemsize)
         out["activation"] = {"bytes": activation, "rows": rows, "shape": list(x.shape[1:]), "dtype": str(x.dtype)}
+    # the stage inputs a device keeps for its backward: 1F1B's stash holds S whatever M, the forward schedules keep
+    # one per forward tick
+    out["kept_inputs"] = stages if pipeline.schedule == ONE_F_ONE_B else pipeline.ticks(stages)
+    out["kept_inputs_gpipe"] = m + stages - 1
     out["stage_bytes"] = _busiest(permutes, mesh.size)
     out["stage_bytes_theory"], out["stage_theory_what"] = _theory(pipeline, stages, activation, accum)
     ticked = {id(op) for op in permutes}
@@ -196,6 +200,12 @@ def lines(p: dict) -> list[str]:
         out.append(f"    bubble (compiled): {idle} idle of {p['ticks']} ticks ({useful} = {p['useful_ticks']} "
                    f"useful) = {p['bubble']:.4f}; theory {_BUBBLE[p['schedule']]} = {p['bubble_theory']:.4f}")
     act = p.get("activation")
+    kept = f"{p['kept_inputs']} stage inputs"
+    if act:
+        kept += f" = {p['kept_inputs'] * act['bytes']:,} bytes"
+    versus = (f"; GPipe keeps M+S-1 = {p['kept_inputs_gpipe']} ({p['kept_inputs'] / p['kept_inputs_gpipe']:.2f} of it)"
+              if p["schedule"] == ONE_F_ONE_B else " (one per forward tick)")
+    out.append(f"    activations kept for the backward per device (theory): {kept}{versus}")
     theory = p["stage_bytes_theory"]
     if theory:
         ratio = f"; measured / theory {p['stage_bytes'] / theory:.3f}"
