@@ -108,7 +108,7 @@ def build(config: Config) -> Built:
                           eval_loss_fn=models.LOSSES[config.model], optimizer=make_optimizer(config, schedule),
                           mesh=mesh, rules=config.rules, strategy=strategy, grad_accum=config.grad_accum,
                           skip_nonfinite=config.on_nonfinite == "skip", hardware=config.hardware,
-                          pipeline=pipeline_of(config))
+                          pipeline=pipeline_of(config), remat=config.remat)
     except ShardingError as error:
         raise as_flag_error(error, config) from None
     train_batches.rows = trainer.local_rows  # each process loads only its rows of every global batch

@@ -23,6 +23,7 @@ from jaxpar.cli.values import OPTIMIZERS, parse_decay_steps
 from jaxpar.cost.hardware import PROFILES
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
 from jaxpar.pipeline.config import SCHEDULES
+from jaxpar.train.remat import REMATS
 from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES
 
 _mesh, _pipe, _arch, _data, _optim, _strategy, _large, _run, _faults, _procs = map(section, GROUPS)
@@ -90,6 +91,7 @@ class Config:
     log_every: int = _run(10, "print and log every K steps")
     metrics: str | None = _run(None, "write one JSON object per logged step (step, loss, ...) to this .jsonl file")
     tensorboard: str | None = _run(None, "also write every logged number as TensorBoard event files into this folder")
+    remat: str = _run(REMATS[0], f"rematerialization (recompute activations in the backward): {' | '.join(REMATS)}")
     explain: bool = _run(False, "print the sharding plan, memory, collectives and FLOPs, then exit without training")
     eval_every: int = _run(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _run(4, "held-out batches per evaluation (text; digits: the whole test split)")

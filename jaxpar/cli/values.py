@@ -19,6 +19,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
 from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.pipeline.config import SCHEDULES
+from jaxpar.train.remat import REMATS
 from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 
 Check = Callable[[str, Any], "str | None"]
@@ -148,6 +149,7 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "steps": (at_least(1),),
     "seed": (within(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)"),),
     "log_every": (at_least(1),),
+    "remat": (one_of(REMATS, noun="remat policy"),),
     "metrics": (paths.metrics_check,),
     "tensorboard": (paths.writable_folder("runs/"),),
     "eval_every": (at_least(0),),

@@ -25,6 +25,7 @@ class Scope:
     mode: str = RUN
     record: dict = field(default_factory=dict)  # CAPTURE: what the stack was called with
     output: Any = None  # REPLACE: what the stack returns
+    remat: Any = None  # the trainer's remat policy (`jaxpar.train.remat`), applied per layer; None: no remat
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("jaxpar_pipeline_scope", default=None)
@@ -43,11 +44,11 @@ def using(scope: Scope):
         _SCOPE.reset(token)
 
 
-def within(mesh, pipeline: Pipeline | None, fn):
-    """`fn` with the scope (mesh, pipeline) set while it runs (i.e. while jit traces it)."""
+def within(mesh, pipeline: Pipeline | None, fn, remat=None):
+    """`fn` with the scope (mesh, pipeline, remat policy) set while it runs (i.e. while jit traces it)."""
     @functools.wraps(fn)
     def scoped(*args, **kwargs):
-        with using(Scope(mesh, pipeline or Pipeline())):
+        with using(Scope(mesh, pipeline or Pipeline(), remat=remat)):
             return fn(*args, **kwargs)
 
     return scoped

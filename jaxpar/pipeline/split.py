@@ -78,7 +78,7 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
     stack._check_stateless(rest, stages)
 
     def body(stack_p, other_p, state, batch, xs, args, key, step_key):
-        run = stack._chunk(layer_graphdef, args, key)
+        run = stack._chunk(layer_graphdef, args, key, scope.remat)
         stage = jax.lax.axis_index(mesh_lib.STAGE_AXIS)
 
         def stage_fn(layers, x, m):

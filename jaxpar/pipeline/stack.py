@@ -82,22 +82,29 @@ class Stack(nnx.Module):
         self.num_layers = num_layers
 
     # --- one chunk of layers ---------------------------------------------------------------------------------------
-    def _chunk(self, graphdef, args, key):
+    def _chunk(self, graphdef, args, key, remat=None):
         """`run(params, rest, x, m, first) -> (y, rest)`: the layers of `params` (leading dimension k) in order on
-        `x`, microbatch `m`, the first being global layer `first`."""
+        `x`, microbatch `m`, the first being global layer `first`. `remat`: a `jax.checkpoint_policies` policy each
+        layer runs under (its backward keeps only what the policy saves), or None."""
+        def layer(h, p, r, m, index):
+            block = nnx.merge(graphdef, p, r)
+            if key is None:
+                out = block(h, *args)
+            else:
+                out = block(h, *args, rngs=layer_rngs(key, m, index))
+            if not (hasattr(out, "shape") and out.shape == h.shape):
+                raise ModelError(f"jaxpar.pipeline.Stack: a block returned {getattr(out, 'shape', type(out))} "
+                                 f"for an input of shape {h.shape}; a stacked block must return an array shaped "
+                                 f"like its input")
+            return out.astype(h.dtype), nnx.split(block, nnx.Param, ...)[2]
+
+        if remat is not None:
+            layer = jax.checkpoint(layer, policy=remat)
+
         def run(params, rest, x, m, first):
             def body(h, inputs):
                 j, p, r = inputs
-                block = nnx.merge(graphdef, p, r)
-                if key is None:
-                    out = block(h, *args)
-                else:
-                    out = block(h, *args, rngs=layer_rngs(key, m, first + j))
-                if not (hasattr(out, "shape") and out.shape == h.shape):
-                    raise ModelError(f"jaxpar.pipeline.Stack: a block returned {getattr(out, 'shape', type(out))} "
-                                     f"for an input of shape {h.shape}; a stacked block must return an array shaped "
-                                     f"like its input")
-                return out.astype(h.dtype), nnx.split(block, nnx.Param, ...)[2]
+                return layer(h, p, r, m, first + j)
 
             count = jax.tree.leaves(params)[0].shape[0]
             return lax.scan(body, x, (jnp.arange(count), params, rest))
@@ -117,7 +124,8 @@ class Stack(nnx.Module):
         if scope is not None and scope.mode == scope_lib.REPLACE:  # 1F1B: the part after the stack
             return scope.output
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        run = self._chunk(graphdef, args, key)
+        remat = None if scope is None else scope.remat
+        run = self._chunk(graphdef, args, key, remat)
         pipeline = scope.pipeline if scope is not None else Pipeline()
         stages = 1 if scope is None or scope.mesh is None else mesh_lib.size(scope.mesh, mesh_lib.STAGE_AXIS)
         count = pipeline.microbatches
@@ -131,7 +139,8 @@ class Stack(nnx.Module):
         if stages == 1:
             ys = lax.map(lambda mx: run(params, rest, mx[1], mx[0], 0)[0], (jnp.arange(count), xs))
             return merge_microbatches(ys)
-        return merge_microbatches(self._pipelined(scope.mesh, pipeline, stages, run, params, rest, xs, args, key))
+        return merge_microbatches(self._pipelined(scope.mesh, pipeline, stages, params, rest, xs, args, key,
+                                                  remat))
 
     def _check_stateless(self, rest, stages: int) -> None:
         if jax.tree.leaves(rest):
@@ -142,7 +151,7 @@ class Stack(nnx.Module):
                              f"through stages); build the block's Dropout without rngs and pass rngs at call time "
                              f"(stack(x, rngs=rngs))")
 
-    def _pipelined(self, mesh, pipeline: Pipeline, stages: int, run, params, rest, xs, args, key):
+    def _pipelined(self, mesh, pipeline: Pipeline, stages: int, params, rest, xs, args, key, remat):
         """GPipe / circular over the stage axis (1F1B evaluates with GPipe's forward)."""
         rounds = pipeline.rounds
         pipeline.check_layers(self.num_layers, stages, "jaxpar.pipeline.Stack")
@@ -156,7 +165,7 @@ class Stack(nnx.Module):
             stage_key = None if key is None else key
 
             def stage_fn(chunk, x, m, r):
-                inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, stage_key)
+                inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, stage_key, remat)
                 return inner(chunk, rest, x, m, (r * stages + stage) * per)[0]
 
             return circular(stage_fn, p, xs, axis=axis, repeats=rounds)[None]

@@ -29,6 +29,7 @@ from jaxpar.pipeline import scope as pipeline_scope
 from jaxpar.pipeline.config import ONE_F_ONE_B
 from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
 from jaxpar.train.model_errors import call_user
+from jaxpar.train.remat import has_stack
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
 
@@ -150,10 +151,12 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
         return split.loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope)
 
     model = nnx.merge(graphdef, params, model_state)
+    forward = lambda m: call_loss(loss_fn, m, batch, make_rngs(key))  # noqa: E731
+    if scope is not None and scope.remat is not None and not has_stack(model):
+        forward = nnx.remat(forward, policy=scope.remat)  # no Stack to remat per layer: the whole forward
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
     # BatchNorm statistics) under differentiation; gradients are taken with respect to nnx.Param only.
-    (loss, metrics), grads = nnx.value_and_grad(lambda m: call_loss(loss_fn, m, batch, make_rngs(key)),
-                                                has_aux=True)(model)
+    (loss, metrics), grads = nnx.value_and_grad(forward, has_aux=True)(model)
     new_model_state = split_model(model)[2]
     return loss, metrics, new_model_state, grads
 

@@ -45,6 +45,7 @@ from jaxpar.train.axes import bind_loss, check_axis_names
 from jaxpar.train.batches import BatchPlacer, indivisible_accum
 from jaxpar.train.linen import factory_notes
 from jaxpar.train.model_errors import at_step
+from jaxpar.train.remat import policy_of
 from jaxpar.train.setup import check_arguments, check_pipeline, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
@@ -83,6 +84,9 @@ class Trainer:
         Linen's `BatchNorm(axis_name='batch')`), e.g. `('batch',)`: bound with size 1 around the loss, so they
         reduce over the whole global batch under `Sync()` (sync BatchNorm) and over each replica's slice under the
         explicit strategies (`jaxpar.train.axes`). Unbound, such a model raises `ModelError` naming the axis.
+      remat: rematerialization, what the backward recomputes instead of keeping: "none" (default, or None),
+        "full", "dots", "dots-no-batch", or a `jax.checkpoint_policies` callable (`jaxpar.train.remat`). Per layer
+        in a `jaxpar.pipeline.Stack` (the built-in transformer's blocks); for a model without one, the whole forward.
 
     A bad argument raises a `jaxpar.JaxparError` subclass naming it; a `loss_fn` that returns anything but
     `(scalar loss, dict of scalar metrics)` raises `ModelError` when the step is first traced; an exception raised
@@ -99,7 +103,8 @@ class Trainer:
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
                  hardware=None, pipeline: Pipeline | None = None, batch_axis_names=(), strict: bool = False,
-                 path_rules=None):
+                 path_rules=None, remat=None):
+        self.remat = policy_of(remat)
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.pipeline = check_pipeline(pipeline)
         self.hardware = parse_hardware(hardware)
@@ -143,8 +148,9 @@ class Trainer:
 
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
     def _scoped(self, fn):
-        """`fn` tracing with this trainer's mesh and pipeline in scope (what a `jaxpar.pipeline.Stack` reads)."""
-        return pipeline_scope.within(self.mesh, self.pipeline, fn)
+        """`fn` tracing with this trainer's mesh, pipeline and remat policy in scope (what a `jaxpar.pipeline.Stack`
+        and the loss's forward read)."""
+        return pipeline_scope.within(self.mesh, self.pipeline, fn, self.remat)
 
     def _init_state(self, seed) -> TrainState:
         return self._expand(self._neutral_state(seed))
