@@ -22,7 +22,7 @@ from jaxpar.runtime import distributed
 from jaxpar.runtime.resources import DeviceError
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.train import actions
-from jaxpar.train.actions import Action, Evaluate, StepEvent
+from jaxpar.train.actions import Action, Evaluate, StepEvent, Trace
 from jaxpar.train.linen import from_linen
 from jaxpar.train.step import TrainState
 from jaxpar.train.trainer import Trainer
@@ -35,7 +35,7 @@ sys.modules[__name__ + ".distributed"] = distributed
 __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DEFAULT_RULES",
            "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
            "ModelError", "OptionError", "PROFILES", "Pipeline", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
-           "Stack", "StepEvent", "Sync", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
+           "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
            "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline"]
 
 

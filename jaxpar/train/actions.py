@@ -2,7 +2,9 @@
 
 An action is any object with `every` (steps between calls; 0 = only at the end), `at_end` (also after the last
 step of the `fit` call), `needs_state` (it reads the train state: `fit` then runs it before the next step is
-dispatched, since that step donates the state) and `__call__(event)`. `fit` calls it with a `StepEvent`.
+dispatched, since that step donates the state) and `__call__(event)`. `fit` calls it with a `StepEvent`. Two
+optional hooks: `dispatching(step)` (asked before step `step` is dispatched; a context manager returned is entered
+around the dispatch) and `finish()` (called once when `fit` ends, however it ends).
 
     class PrintLoss(jaxpar.Action):
         every = 100
@@ -38,6 +40,13 @@ class Action:
 
     def __call__(self, event: StepEvent) -> None:
         raise NotImplementedError
+
+    def dispatching(self, step: int):
+        """Before step `step` (1 = the first update) is dispatched: None, or a context manager entered around it."""
+        return None
+
+    def finish(self) -> None:
+        """When `fit` ends: after its last step, or on its way out with an error."""
 
     @property
     def label(self) -> str:
@@ -212,3 +221,48 @@ class StopWhen(Action):
             raise Terminated()
         self.checkpoint(event)
         raise Preempted(event.step)
+
+
+STEP_MARKER = "jaxpar_step"  # the name of each traced step's jax.profiler.StepTraceAnnotation
+
+
+class Trace(Action):
+    """A `jax.profiler` trace of the steps that take the state from step `start` to step `stop` (`Trace(2, 4, dir)`:
+    the 3rd and 4th updates), written under `folder` as `plugins/profile/<time>/<host>.xplane.pb` (TensorBoard's
+    profile plugin, XProf) and `perfetto_trace.json.gz` (ui.perfetto.dev). Each traced step's dispatch is marked by
+    a `jax.profiler.StepTraceAnnotation` named `jaxpar_step` with its `step_num`. The trace stops once step `stop`
+    is done, or when `fit` ends before it (the last step, an error): never left running. Steps counted as
+    `StepEvent.step`, so a resumed `fit` traces the same steps of the run."""
+
+    def __init__(self, start: int, stop: int, folder, perfetto: bool = True):
+        from jaxpar.checks import check_int
+
+        check_int("Trace(start=...)", start, 0, "the step the trace starts at (0: before the first update)")
+        check_int("Trace(stop=...)", stop, start + 1, f"the step the trace stops at, after start {start}")
+        self.start, self.stop, self.folder, self.perfetto = start, stop, str(folder), perfetto
+        self.active = False
+        self.written: list[int] = []  # the steps traced so far (by their StepEvent.step)
+
+    def due(self, step, last):
+        return self.active and (step >= self.stop or last)
+
+    def dispatching(self, step):
+        import jax
+
+        if not self.start < step <= self.stop:
+            return None
+        if not self.active:
+            jax.profiler.start_trace(self.folder, create_perfetto_trace=self.perfetto)
+            self.active = True
+        self.written.append(step)
+        return jax.profiler.StepTraceAnnotation(STEP_MARKER, step_num=step)
+
+    def __call__(self, event):
+        self.finish()
+
+    def finish(self):
+        if self.active:
+            import jax
+
+            self.active = False
+            jax.profiler.stop_trace()

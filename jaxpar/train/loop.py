@@ -7,6 +7,7 @@ the device. An action that needs the state runs before the next step is dispatch
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -42,12 +43,59 @@ def host_metrics(metrics: Mapping, per_replica: bool) -> dict:
     return {key: float(value) if np.ndim(value) == 0 else np.asarray(value) for key, value in host.items()}
 
 
+@contextlib.contextmanager
+def _around(actions, step: int, state, step_number: int):
+    """The contexts the actions' `dispatching(step)` return, entered around one dispatch; a hook that fails is a
+    FitError carrying the state (not yet donated)."""
+    with contextlib.ExitStack() as stack:
+        for action in actions:
+            try:
+                context = action.dispatching(step)
+                if context is not None:
+                    stack.enter_context(context)
+            except Exception as error:
+                raise FitError(f"action {getattr(action, 'label', type(action).__name__)} failed before step {step}: "
+                               f"{type(error).__name__}: {error}", state, step_number) from error
+        yield
+
+
 def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterable[Action] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None):
     """`Trainer.fit`: see its docstring."""
     check_int("steps", steps, 0, "the number of updates to run")
     trainer.check_state(state)
     actions = list(actions) + ([OnStep(on_step)] if on_step is not None else [])
+    try:
+        state, step_number = _steps(trainer, state, batches, steps, actions)
+    except BaseException:
+        _finish(actions, None, None)  # quietly: the error on its way out is the one to report
+        raise
+    _finish(actions, state, step_number)
+    return state
+
+
+def _hooked(actions, name: str) -> list:
+    """The actions that override the optional hook `name` of `Action` (duck-typed actions may have none)."""
+    return [a for a in actions if getattr(type(a), name, None) not in (None, getattr(Action, name))]
+
+
+def _finish(actions, state, step) -> None:
+    """Every action's `finish()`: all of them, even when one fails; with a state (fit succeeded) a failure is a
+    FitError carrying it, else ignored."""
+    failed = None
+    for action in _hooked(actions, "finish"):
+        try:
+            action.finish()
+        except Exception as error:
+            failed = failed or (action, error)
+    if failed is not None and state is not None:
+        action, error = failed
+        raise FitError(f"action {getattr(action, 'label', type(action).__name__)} failed at the end of fit: "
+                       f"{type(error).__name__}: {error}", state, step) from error
+
+
+def _steps(trainer, state, batches, steps, actions):
+    around = _hooked(actions, "dispatching")
     iterator = iter(batches)
     step_number = int(jax.device_get(state.step))  # counted on the host: state.step is donated each step
     last = step_number + steps
@@ -82,7 +130,11 @@ def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterabl
             raise FitError(f"the batch iterator ran out after {step_number} steps of {last}; give fit an "
                            f"endless iterator or fewer steps", state, step_number) from None
         try:
-            new_state, metrics, per_replica = trainer.dispatch(state, batch, step_number)
+            if around:
+                with _around(around, step_number + 1, state, step_number):
+                    new_state, metrics, per_replica = trainer.dispatch(state, batch, step_number)
+            else:
+                new_state, metrics, per_replica = trainer.dispatch(state, batch, step_number)
         except DeviceError:
             raise  # the state is gone with the failed step: nothing to carry in a FitError
         except JaxparError as error:
@@ -100,4 +152,4 @@ def fit(trainer, state, batches: Iterable[Mapping], steps: int, actions: Iterabl
             pending = None
     if pending is not None:
         run(pending, state, state, step_number)
-    return state
+    return state, step_number
