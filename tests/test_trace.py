@@ -80,3 +80,44 @@ def test_a_trace_that_cannot_start_is_a_fit_error_with_a_usable_state(tmp_path):
         jax.profiler.stop_trace()
     assert info.value.step == 1 and int(info.value.state.step) == 1
     assert not traces(tmp_path / "trace")
+
+
+# --- run.py --profile START:STOP --------------------------------------------------------------------------------
+TINY_RUN = ["--model", "mlp", "--steps", "6", "--eval-batches", "0"]
+
+
+def test_run_profile_writes_a_trace_next_to_the_metrics_file(tmp_path, capsys):
+    assert run.main(TINY_RUN + ["--profile", "2:4", "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    assert f"tracing steps 2 to 4 with jax.profiler into {tmp_path / 'profile' / 'plugins' / 'profile'}" in \
+        capsys.readouterr().out
+    assert_traced(tmp_path / "profile")
+
+
+def test_run_profile_writes_into_the_tensorboard_folder_or_the_profile_dir(tmp_path):
+    assert run.main(TINY_RUN + ["--profile", "0:1", "--tensorboard", str(tmp_path / "tb")]) == 0
+    assert_traced(tmp_path / "tb")  # `tensorboard --logdir tb` shows it in its profile tab
+    assert run.main(TINY_RUN + ["--profile", "5:9", "--tensorboard", str(tmp_path / "tb2"), "--profile-dir",
+                                str(tmp_path / "mine")]) == 0  # STOP after the last step: stopped at the end
+    assert_traced(tmp_path / "mine") and not traces(tmp_path / "tb2")
+
+
+@pytest.mark.parametrize("argv, contains", [
+    (["--profile", "5"], "--profile '5': must be START:STOP, step numbers with 0 <= START < STOP"),
+    (["--profile", "7:3"], "--profile '7:3': must be START:STOP"),
+    (["--profile=-1:3"], "--profile '-1:3': must be START:STOP"),
+    (["--profile", "2:2"], "e.g. --profile 2:4"),
+    (["--profile-dir", "traces"], "--profile-dir 'traces': applies only with --profile; add e.g. --profile 2:4"),
+    (["--profile", "2:4", "--profile-dir", "a-file"], "--profile-dir 'a-file': is a regular file, not a folder"),
+    (["--profile", "2:4", "--profile-dir", "missing/traces"], "--profile-dir 'missing/traces': folder "),
+    (["--profile", "2:4", "--metrics", "sub/m.jsonl"], "--profile 2:4: its default --profile-dir 'sub/profile': "
+                                                         "is a regular file, not a folder"),
+    (["--model", "transformer", "--profile", "2:4", "--data", "sub", "--profile-dir", "sub/t"],
+     "--profile-dir 'sub/t': is --data 'sub' or inside it"),
+])
+def test_bad_profile_values_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys, argv, contains):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("keep")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "profile").write_text("keep")
+    fails(TINY_RUN + argv, capsys, contains=contains)
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "sub"] and os.listdir(tmp_path / "sub") == ["profile"]

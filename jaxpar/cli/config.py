@@ -91,6 +91,9 @@ class Config:
     log_every: int = _run(10, "print and log every K steps")
     metrics: str | None = _run(None, "write one JSON object per logged step (step, loss, ...) to this .jsonl file")
     tensorboard: str | None = _run(None, "also write every logged number as TensorBoard event files into this folder")
+    profile: str | None = _run(None, "write a jax.profiler trace of the steps from START to STOP, e.g. 2:4 (the 3rd "
+                                     "and 4th updates)")
+    profile_dir: str | None = _run(None, "the folder --profile writes its trace into")
     remat: str = _run(REMATS[0], f"rematerialization (recompute activations in the backward): {' | '.join(REMATS)}")
     explain: bool = _run(False, "print the sharding plan, memory, collectives and FLOPs, then exit without training")
     eval_every: int = _run(0, "evaluate on the held-out split every N steps (0: only at the end)")

@@ -24,6 +24,7 @@ MORE = {  # what --help adds to a declaration's one line
                 "followed by such overrides; also the peak of flops_utilization",
     "batch_ramp": "replaces --batch-size; one compilation per size; lr follows --lr-scaling",
     "tensorboard": "tensorboardX; view with tensorboard --logdir FOLDER",
+    "profile": "viewable in TensorBoard's profile plugin or ui.perfetto.dev; each step marked jaxpar_step",
     "explain": "of every step variant (with --hardware: projected step times)",
     "checkpoint_dir": "the latest --keep are kept; SIGTERM / Ctrl-C then saves one and exits 0",
     "resume": "'--resume' starts fresh (saying so) when there is none, '--resume required' refuses to",

@@ -45,6 +45,7 @@ DEFAULT_TEXT = {  # how --help states a default that is not a plain value
     "hardware": "none: every step costs 1, communication is free",
     "base_batch_size": "the first global batch size",
     "resume": "off",
+    "profile_dir": "the --tensorboard folder; else profile/ next to --metrics; else ./profile",
     "coordinator": "one process, or from the environment (jaxpar.launch, SLURM)",
 }
 WHY = {  # a hint added to the "does not apply to --model" error

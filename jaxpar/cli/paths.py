@@ -57,6 +57,21 @@ def writable_folder(example: str):
     return check
 
 
+PROFILE_FOLDER = "profile"  # --profile's folder next to --metrics (or in the working folder) without --tensorboard
+
+
+def profile_folder(config) -> str:
+    """Where --profile writes: --profile-dir; else the --tensorboard folder (TensorBoard's profile plugin reads it
+    there); else `profile/` next to the --metrics file; else `profile/` in the working folder."""
+    if config.profile_dir:
+        return config.profile_dir
+    if config.tensorboard:
+        return config.tensorboard
+    if config.metrics:
+        return os.path.join(os.path.dirname(config.metrics), PROFILE_FOLDER)
+    return PROFILE_FOLDER
+
+
 def is_metrics_file(path) -> bool:
     """Empty, or its first line is the JSON config record a run writes first (so re-running overwrites safely)."""
     try:

@@ -18,7 +18,9 @@ from jaxpar.cli.config import Config
 from jaxpar.cli.explaining import explain_run
 from jaxpar.cli.notes import divergence_hint, run_notes
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
+from jaxpar.cli.paths import profile_folder
 from jaxpar.cli.processes import join_processes
+from jaxpar.cli.values import parse_profile
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
 from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, records_before
@@ -207,6 +209,11 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
         loop.append(evaluation)
     batches = data.prefetch_to_device(built.train_batches, trainer.shard_batch)
     record = config.to_record()
+    if config.profile and distributed.is_main():  # (process 0 traces, as it logs)
+        first, until = parse_profile(config.profile)
+        loop.append(actions.Trace(first, until, profile_folder(config)))
+        say(f"jaxpar: tracing steps {first} to {until} with jax.profiler into "
+            f"{os.path.join(profile_folder(config), 'plugins', 'profile')}")
     if checkpoints is not None:
         saving = actions.Checkpoint(checkpoints, config.checkpoint_every,
                                     extra=lambda: {"batches": batches.get_state(), "config": record,

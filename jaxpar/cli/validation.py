@@ -11,14 +11,14 @@ from jaxpar.cli.config import OPTIONS, Config
 from jaxpar.cli.defaults import applies
 from jaxpar.cli.options import APPLIES_TO, PRIMARY, shown
 from jaxpar.strategies import BN_SYNC
-from jaxpar.cli.paths import is_or_inside
+from jaxpar.cli.paths import is_or_inside, profile_folder, writable_folder
 from jaxpar.cli.pipelining import check_repeats, check_stages, spec_stages
 from jaxpar.cli.values import finite_check
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
 
 # outputs that must not be --data or inside it (they would overwrite the training text, or be read as text)
-OUTPUTS_OUTSIDE_DATA = ("metrics", "tensorboard", "checkpoint_dir")
+OUTPUTS_OUTSIDE_DATA = ("metrics", "tensorboard", "profile_dir", "checkpoint_dir")
 
 
 def validate(config: Config) -> None:
@@ -87,9 +87,25 @@ def check_combinations(config: Config) -> None:
         raise ConfigError(f"--resume-step {config.resume_step}: applies only with --resume; add --resume")
     if config.lr_decay_steps is not None and config.lr_schedule != "step":
         raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
+    check_profile(config)
     check_repeats(config)
     check_stages(config, spec_stages(config))  # a -1 in --mesh: checked again once the mesh exists
     if config.bn == BN_SYNC and strategies_lib.from_config(config).local_statistics:
         raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies_lib.WHOLE_BATCH)} without --allreduce; "
                           f"the explicit strategies normalise each replica's slice (use --bn local)")
 
+
+
+def check_profile(config: Config) -> None:
+    """--profile-dir only with --profile; the folder --profile writes into by default is checked like a given one."""
+    if config.profile_dir is not None and config.profile is None:
+        raise ConfigError(f"--profile-dir {config.profile_dir!r}: applies only with --profile; add e.g. --profile 2:4")
+    if config.profile is not None and config.profile_dir is None and not config.tensorboard:
+        folder = profile_folder(config)
+        problem = writable_folder("--profile-dir traces/")(f"--profile {config.profile}: its default --profile-dir",
+                                                          folder)
+        if problem:
+            raise ConfigError(problem)
+        if config.data and is_or_inside(folder, config.data):
+            raise ConfigError(f"--profile {config.profile}: its default folder {folder!r} is inside --data "
+                              f"{config.data!r}; pass --profile-dir with a folder outside it")

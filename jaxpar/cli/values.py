@@ -104,6 +104,15 @@ def parse_decay_steps(text) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def parse_profile(text) -> tuple[int, int]:
+    """--profile START:STOP -> (START, STOP): the trace covers the steps from START updates done to STOP."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*", str(text))
+    if not match or int(match.group(1)) >= int(match.group(2)):
+        raise ConfigError(f"--profile {text!r}: must be START:STOP, step numbers with 0 <= START < STOP (the trace "
+                          f"covers the updates from step START to step STOP), e.g. --profile 2:4")
+    return int(match.group(1)), int(match.group(2))
+
+
 def _coordinator(value) -> bool:
     return isinstance(value, str) and value.count(":") >= 1 and value.rsplit(":", 1)[1].isdigit()
 
@@ -152,6 +161,8 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "remat": (one_of(REMATS, noun="remat policy"),),
     "metrics": (paths.metrics_check,),
     "tensorboard": (paths.writable_folder("runs/"),),
+    "profile": (parses(parse_profile),),
+    "profile_dir": (paths.writable_folder("profile/"),),
     "eval_every": (at_least(0),),
     "eval_batches": (at_least(0),),
     "checkpoint_dir": (paths.writable_folder("checkpoints/"),),
