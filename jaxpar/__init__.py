@@ -19,6 +19,7 @@ from jaxpar.parallel.partitioning import DEFAULT_RULES
 from jaxpar import pipeline
 from jaxpar.pipeline import Pipeline, Stack
 from jaxpar.runtime import distributed
+from jaxpar.runtime.compile_cache import use_compile_cache
 from jaxpar.runtime.resources import DeviceError
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Sync
 from jaxpar.train import actions
@@ -35,8 +36,8 @@ sys.modules[__name__ + ".distributed"] = distributed
 __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DEFAULT_RULES",
            "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
            "ModelError", "OptionError", "PROFILES", "Pipeline", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
-           "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "communicator", "distributed", "explain",
-           "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline"]
+           "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "communicator", "distributed",
+           "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline", "use_compile_cache"]
 
 
 def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used

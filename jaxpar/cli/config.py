@@ -95,6 +95,8 @@ class Config:
                                      "and 4th updates)")
     profile_dir: str | None = _run(None, "the folder --profile writes its trace into")
     remat: str = _run(REMATS[0], f"rematerialization (recompute activations in the backward): {' | '.join(REMATS)}")
+    no_compile_cache: bool = _run(False, "do not use JAX's persistent compilation cache (default folder: "
+                                         "$JAXPAR_COMPILE_CACHE or ~/.cache/jaxpar/xla)")
     explain: bool = _run(False, "print the sharding plan, memory, collectives and FLOPs, then exit without training")
     eval_every: int = _run(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _run(4, "held-out batches per evaluation (text; digits: the whole test split)")

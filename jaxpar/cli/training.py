@@ -27,6 +27,7 @@ from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, records_before
 from jaxpar.io.tensorboard import TensorBoardFile
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.runtime import distributed
+from jaxpar.runtime.compile_cache import ensure_compile_cache, use_compile_cache
 from jaxpar.runtime.preemption import StopRequest
 from jaxpar.train import actions
 from jaxpar.train.trainer import Trainer
@@ -42,6 +43,10 @@ def train(config: Config) -> dict:
     nothing. With several processes (see `join_processes`) every process calls this; only process 0 prints and
     writes, and every process returns the same summary."""
     config = config.validate().resolved()
+    if config.no_compile_cache:  # before anything compiles (the Trainer would turn the default on)
+        use_compile_cache(None)
+    else:
+        ensure_compile_cache()
     if join_processes(config) and not distributed.is_main():
         log.setLevel(logging.ERROR)  # process 0 reports the notes
     for line in run_notes(config):

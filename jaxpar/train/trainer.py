@@ -36,6 +36,7 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as pipeline_scope
 from jaxpar.pipeline.config import Pipeline
+from jaxpar.runtime.compile_cache import ensure_compile_cache
 from jaxpar.runtime.distributed import to_host
 from jaxpar.runtime.resources import check_fits, check_step_memory, device_error, step_flops
 from jaxpar.strategies import Strategy, Sync
@@ -104,6 +105,7 @@ class Trainer:
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
                  hardware=None, pipeline: Pipeline | None = None, batch_axis_names=(), strict: bool = False,
                  path_rules=None, remat=None):
+        ensure_compile_cache()  # before the first compilation (`jaxpar.use_compile_cache` chooses another folder)
         self.remat = policy_of(remat)
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.pipeline = check_pipeline(pipeline)
