@@ -4,6 +4,10 @@ Theory (`jaxpar.parallel.collectives.theoretical_traffic`) says what an algorith
 emitted after its own passes (combining, async conversion, dtype promotion), so the two can be compared, priced by
 the cost model (`jaxpar.cost.hardware`) and shown by `jaxpar.explain`.
 
+Why about 430 lines: reading the HLO text is one parser (computations, the call graph from ENTRY through loop
+bodies, calls, fusions and branches, and each loop's trip count) that both the collectives and the FLOPs are read
+from; split, the two would walk the same graph twice.
+
 Each collective is one `Collective`: its kind, its result bytes per device (of one run), the size of its device
 groups, the mesh axes those groups span, and how many times it runs per step. In an SPMD program device id i is
 partition i, i.e. `mesh.devices.flat[i]`.

@@ -1,5 +1,9 @@
 """The ONE module that names mesh axes and says what each is for; mesh specs -> `jax.sharding.Mesh`.
 
+Why about 410 lines: the house rule puts every axis name and role here (tests/test_mesh.py lints it), so the spec
+parser, the device grid across processes, the roles a model's own axis names play on an explicit-sharding mesh, the
+mesh check and the questions asked by role are one module on purpose.
+
 Axes, outermost to innermost (the device grid is laid out in this order, so `model` gets the closest devices and
 `data` is the axis that crosses hosts first, then `stage`):
 

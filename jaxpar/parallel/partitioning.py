@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import jax
 import optax
@@ -50,6 +49,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.plan_notes import PlanNotes
 from jaxpar.errors import ShardingError
 from jaxpar.names import variable_name
 from jaxpar.parallel.path_rules import MeshAxes, dimension_names, match, normalize_path_rules, rule_path
@@ -215,52 +215,6 @@ def _place_elsewhere(entries, axis, mesh, shape) -> int | None:
             entries[dim] = entries[dim] + (axis,)
             return dim
     return None
-
-
-ANNOTATION_API = {"nnx": "nnx.with_partitioning", "linen": "nn.with_logical_partitioning"}
-
-
-@dataclass
-class PlanNotes:
-    """What the sharding plan decided that a user should hear about (each reported once, at start-up)."""
-
-    library: str = "nnx"  # the model's own library (a key of ANNOTATION_API): the API the notes point to
-    moved: list = field(default_factory=list)  # (parameter, shape, dim): fsdp moved to another dimension
-    whole: list = field(default_factory=list)  # (parameter, shape): fsdp could not split it: whole on each device
-    unruled: set = field(default_factory=set)  # logical names used by the model that no rule mentions
-    annotated: int = 0  # parameters with logical names (their own, or from a path rule)
-    fsdp_auto: int = 0  # parameters without names split over fsdp automatically
-    parameters: int = 0
-
-    def lines(self, mesh: Mesh) -> list[str]:
-        out = []
-        tensor_axis, fsdp_axis = (mesh_lib.axis_name(mesh, a) for a in (mesh_lib.TENSOR_AXIS, mesh_lib.FSDP_AXIS))
-        if self.parameters and not self.annotated and mesh_lib.size(mesh, mesh_lib.PARAMETER_AXES) > 1:
-            how = f"name their dimensions with {ANNOTATION_API[self.library]}, or pass path_rules"
-            tensor = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS)
-            if not self.fsdp_auto:
-                out.append(f"the model names no parameter dimensions and none was split automatically, so every "
-                           f"parameter is replicated on all {mesh.size} devices; to shard them, {how}")
-            else:
-                idle = (f"; nothing is split over {tensor_axis}, whose {tensor} devices hold the same "
-                        f"shards") if tensor > 1 else ""
-                out.append(f"the model names no parameter dimensions, so {self.fsdp_auto} of its {self.parameters} "
-                           f"parameters are split over {fsdp_axis} along their largest dimension that "
-                           f"divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}{idle}; to choose the split (or "
-                           f"for tensor parallelism), {how}")
-        if self.unruled:
-            out.append(f"logical axis names {', '.join(sorted(self.unruled))} appear in the model but in no sharding "
-                       f"rule, so those dimensions are replicated; add a rule (or map them to None to silence this)")
-        if self.whole:
-            listed = ", ".join(f"{name} {list(shape)}" for name, shape in self.whole[:6])
-            more = f" and {len(self.whole) - 6} more" if len(self.whole) > 6 else ""
-            out.append(f"fsdp: {len(self.whole)} parameter(s) stay whole on every {fsdp_axis} device (no "
-                       f"dimension divides by {mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)}): {listed}{more}")
-        if self.moved:
-            listed = ", ".join(f"{name} {list(shape)} on dim {dim}" for name, shape, dim in self.moved[:6])
-            out.append(f"fsdp: {len(self.moved)} parameter(s) split along another dimension than the rules name: "
-                       f"{listed}")
-        return out
 
 
 def logical_names_of(variable: nnx.Variable):

@@ -12,8 +12,9 @@ Parameters and optimizer state are created already sharded: the model is built a
 logical axis names are mapped to `NamedSharding`s, and the real values are created inside
 `jax.jit(init, out_shardings=...)`, so no device ever holds a whole sharded parameter.
 
-Why about 360 lines: the Trainer is the one object users hold, and it keeps together what acts on its jitted step
-variants (dispatch, the first compilation's memory check and pricing, ahead-of-time compilation). Its argument
+Why about 420 lines: the Trainer is the one object users hold, and it keeps together what acts on its jitted step
+variants (dispatch, the first compilation's memory check and pricing, ahead-of-time compilation, tracing under an
+explicit-sharding mesh, the model's errors said with the step). Its argument
 checks and state plan (`setup.py`), batch placement (`batches.py`) and the fit loop (`loop.py`) live apart.
 """
 
