@@ -379,6 +379,11 @@ def tracing(mesh):
     return jax.set_mesh(mesh) if is_explicit(mesh) else contextlib.nullcontext()
 
 
+def in_mesh(jitted, mesh):
+    """`jitted` as it is on an Auto mesh (nothing added to a step's dispatch); on an Explicit mesh, an `InMesh`."""
+    return InMesh(jitted, mesh) if is_explicit(mesh) else jitted
+
+
 class InMesh:
     """A jitted function called and lowered under `tracing(mesh)` (jit traces at its first call or `lower`)."""
 

@@ -135,16 +135,16 @@ class Trainer:
             log.warning(line)
 
         # on an Explicit mesh every trace happens under jax.set_mesh (mesh_lib.tracing), outside jit
-        self._init = mesh_lib.InMesh(jax.jit(self._init_state, out_shardings=self.state_shardings), mesh)
+        self._init = mesh_lib.in_mesh(jax.jit(self._init_state, out_shardings=self.state_shardings), mesh)
         self.variants = self.strategy.steps(self.ctx)
         # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
         # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
-        self._steps = {name: mesh_lib.InMesh(jax.jit(
+        self._steps = {name: mesh_lib.in_mesh(jax.jit(
             self._scoped(guarded_step(variant, self.state_shardings, mesh, skip_nonfinite)),
             in_shardings=(self.state_shardings, self.batch_sharding, None),
             out_shardings=(self.state_shardings, None if variant.per_replica_metrics else shd.replicated(mesh)),
             donate_argnums=0), mesh) for name, variant in self.variants.items()}
-        self._eval = mesh_lib.InMesh(jax.jit(self._scoped(self._eval_step), in_shardings=(
+        self._eval = mesh_lib.in_mesh(jax.jit(self._scoped(self._eval_step), in_shardings=(
             self.state_shardings, self.batch_sharding), out_shardings=shd.replicated(mesh)), mesh)
         # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given
         self.clock = self.strategy.clock.priced(self.variant_cost if self.hardware else None)
@@ -175,7 +175,7 @@ class Trainer:
     def expand(self, neutral: TrainState) -> TrainState:
         """The train state of this trainer's strategy built from a strategy-free one (`strategy.init`, jitted and
         placed by `state_shardings`): what a restore onto another strategy or replica count starts from."""
-        return mesh_lib.InMesh(jax.jit(self._expand, out_shardings=self.state_shardings), self.mesh)(neutral)
+        return mesh_lib.in_mesh(jax.jit(self._expand, out_shardings=self.state_shardings), self.mesh)(neutral)
 
     def abstract_state(self, neutral: bool = False) -> TrainState:
         """The train state's shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), without computing it;
