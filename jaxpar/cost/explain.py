@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxpar.cost import fit as fitting
 from jaxpar.cost import pipelines
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
@@ -221,10 +222,12 @@ def _tokens(batch) -> int | None:
     return None
 
 
-def explain(trainer, batch, blocks: int | None = None) -> dict:
+def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dict:
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
-    With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing."""
+    With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing.
+    `fit`: also what fits a device (`jaxpar.cost.fit.advise`: every remat policy at two batch sizes, compiled, and
+    the suggested policy and batch), under the key "fit"."""
     profile, mesh = trainer.hardware, trainer.mesh
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_plan(trainer), "variants": {},
@@ -257,6 +260,9 @@ def explain(trainer, batch, blocks: int | None = None) -> dict:
         out["variants"][variant] = entry
     if profile is not None:
         out["projection"] = project(out["variants"], trainer)
+    if fit:
+        hungriest = max(out["variants"], key=lambda v: (out["variants"][v]["memory"] or {}).get("total", 0))
+        out["fit"] = fitting.advise(trainer, batch, hungriest, _variants(trainer)[hungriest]["inputs"])
     return out
 
 
@@ -362,6 +368,8 @@ def format_explain(report: dict) -> str:
         for name, p in report["projection"].items():
             lines.append(f"  {name:<10} {p['seconds'] * 1e3:10.4g} ms   ({p['how']})")
         lines.append(f"  profile numbers: {report['hardware']['source']}")
+    if "fit" in report:
+        lines += fitting.lines(report["fit"])
     flagged = sum(v["unexpected"] for v in report["variants"].values())
     lines += ["", f"{flagged} collective(s) not explained by theory" + (
         " (an unexpected all-gather or all-to-all usually means a resharding: check the sharding rules)"

@@ -40,6 +40,7 @@ class Profile:
     flops: float  # peak FLOP/s of one device
     links: dict = field(hash=False)  # mesh axis -> Link
     source: str = ""  # where the numbers come from
+    memory: float | None = None  # bytes of one device's memory (None: the device's own, as jaxpar reads it)
 
     def link(self, axes) -> Link:
         """The slowest link among `axes` (a collective over several axes is as slow as its slowest one)."""
@@ -48,6 +49,8 @@ class Profile:
 
     def describe(self) -> str:
         parts = [f"{self.flops / 1e12:g} TFLOP/s per device"]
+        if self.memory:
+            parts.append(f"{self.memory / 1e9:g} GB of memory per device")
         for axis in mesh_lib.AXES:
             if axis in self.links:
                 x = self.links[axis]
@@ -59,26 +62,29 @@ _NVLINK = Link(5e-6, 300e9)
 _IB100 = Link(10e-6, 12.5e9)
 _ETH10 = Link(50e-6, 1.25e9)
 _A100_PEAK = 312e12
-_NVLINK_SOURCE = ("A100 SXM datasheet: 312 TFLOP/s dense bf16 tensor-core peak, NVLink 3 at 600 GB/s per GPU "
-                  "(300 GB/s each way)")
+_A100_MEMORY = 80e9
+_NVLINK_SOURCE = ("A100 SXM 80GB datasheet: 312 TFLOP/s dense bf16 tensor-core peak, 80 GB HBM2e, NVLink 3 at "
+                  "600 GB/s per GPU (300 GB/s each way)")
 # alpha (latency) is an assumed order of magnitude, not a measurement: a few microseconds for an NVLink
 # collective step, ~10 us for InfiniBand with its software stack, ~50 us for TCP over Ethernet.
 PROFILES: dict[str, Profile] = {
     "a100-nvlink": Profile("a100-nvlink", _A100_PEAK, {a: _NVLINK for a in mesh_lib.AXES},
-                           _NVLINK_SOURCE + "; every axis inside one 8-GPU NVSwitch node; alpha 5 us assumed"),
+                           _NVLINK_SOURCE + "; every axis inside one 8-GPU NVSwitch node; alpha 5 us assumed",
+                           _A100_MEMORY),
     # stage gets the data axis's link: both are the outer axes that cross nodes (mesh.AXES' order)
     "a100-ib100": Profile("a100-ib100", _A100_PEAK, {mesh_lib.DATA: _IB100, mesh_lib.STAGE: _IB100,
                                                      mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
                           _NVLINK_SOURCE + "; the data and stage axes cross nodes on 100 Gb/s InfiniBand (EDR: "
-                          "12.5 GB/s per device); fsdp and model inside a node; alpha 10 us across nodes assumed"),
+                          "12.5 GB/s per device); fsdp and model inside a node; alpha 10 us across nodes assumed",
+                          _A100_MEMORY),
     "a100-eth10": Profile("a100-eth10", _A100_PEAK, {mesh_lib.DATA: _ETH10, mesh_lib.STAGE: _ETH10,
                                                      mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
                           _NVLINK_SOURCE + "; the data and stage axes cross nodes on 10 Gb/s Ethernet (1.25 GB/s "
-                          "per device); fsdp and model inside a node; alpha 50 us (TCP) assumed"),
+                          "per device); fsdp and model inside a node; alpha 50 us (TCP) assumed", _A100_MEMORY),
 }
 
 _HELP = (f"expected a profile name ({', '.join(PROFILES)}) and/or comma-separated key=value items: flops=FLOP/s, "
-         f"alpha=seconds, bandwidth=bytes/s, or per axis AXIS.alpha / AXIS.bandwidth, e.g. "
+         f"alpha=seconds, bandwidth=bytes/s, memory=bytes per device, or per axis AXIS.alpha / AXIS.bandwidth, e.g. "
          f"'flops=100e12,alpha=1e-5,bandwidth=12.5e9' or 'a100-nvlink,data.bandwidth=1.25e9'")
 
 
@@ -100,6 +106,7 @@ def parse_hardware(spec) -> Profile | None:
             raise bad(f"unknown profile {items[0]!r}; {_HELP}")
         base, items = PROFILES[items[0]], items[1:]
     flops = base.flops if base else None
+    memory = base.memory if base else None
     links = dict(base.links) if base else {}
     every: dict = {}
     per_axis: dict = {}
@@ -115,6 +122,8 @@ def parse_hardware(spec) -> Profile | None:
         axis, dot, what = key.rpartition(".")
         if key == "flops":
             flops = number
+        elif key == "memory":
+            memory = number
         elif not dot and key in ("alpha", "bandwidth"):
             every[key] = number
         elif dot and axis in mesh_lib.AXES and what in ("alpha", "bandwidth"):
@@ -132,7 +141,7 @@ def parse_hardware(spec) -> Profile | None:
         raise bad(f"no flops= (peak FLOP/s per device) given; {_HELP}")
     name = text if base is None or items else base.name
     source = (base.source + ("; overridden: " + ", ".join(items) if items else "")) if base else "given on the command line"
-    return Profile(name, flops, links, source)
+    return Profile(name, flops, links, source, memory)
 
 
 def collective_seconds(op, profile: Profile) -> float:

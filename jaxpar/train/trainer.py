@@ -51,6 +51,8 @@ from jaxpar.train.remat import policy_of
 from jaxpar.train.setup import check_arguments, check_pipeline, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
+_OWN = object()  # `remat` not given: the trainer's own policy
+
 log = logging.getLogger("jaxpar")
 
 
@@ -139,21 +141,26 @@ class Trainer:
         self.variants = self.strategy.steps(self.ctx)
         # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
         # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
-        self._steps = {name: mesh_lib.in_mesh(jax.jit(
-            self._scoped(guarded_step(variant, self.state_shardings, mesh, skip_nonfinite)),
-            in_shardings=(self.state_shardings, self.batch_sharding, None),
-            out_shardings=(self.state_shardings, None if variant.per_replica_metrics else shd.replicated(mesh)),
-            donate_argnums=0), mesh) for name, variant in self.variants.items()}
+        self._steps = {name: self._jit_step(variant, self.remat) for name, variant in self.variants.items()}
+        self._other_remat: dict = {}  # (variant, policy) -> the step jitted under another remat policy (explain's advice)
         self._eval = mesh_lib.in_mesh(jax.jit(self._scoped(self._eval_step), in_shardings=(
             self.state_shardings, self.batch_sharding), out_shardings=shd.replicated(mesh)), mesh)
         # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given
         self.clock = self.strategy.clock.priced(self.variant_cost if self.hardware else None)
 
+    def _jit_step(self, variant, remat):
+        """The jitted step of a strategy `variant` under the remat policy `remat`."""
+        return mesh_lib.in_mesh(jax.jit(
+            self._scoped(guarded_step(variant, self.state_shardings, self.mesh, self.skip_nonfinite), remat),
+            in_shardings=(self.state_shardings, self.batch_sharding, None),
+            out_shardings=(self.state_shardings, None if variant.per_replica_metrics else shd.replicated(self.mesh)),
+            donate_argnums=0), self.mesh)
+
     # --- pure functions (jitted above) ---------------------------------------------------------------------------
-    def _scoped(self, fn):
-        """`fn` tracing with this trainer's mesh, pipeline and remat policy in scope (what a `jaxpar.pipeline.Stack`
-        and the loss's forward read)."""
-        return pipeline_scope.within(self.mesh, self.pipeline, fn, self.remat)
+    def _scoped(self, fn, remat=_OWN):
+        """`fn` tracing with this trainer's mesh, pipeline and remat policy (or `remat`) in scope (what a
+        `jaxpar.pipeline.Stack` and the loss's forward read)."""
+        return pipeline_scope.within(self.mesh, self.pipeline, fn, self.remat if remat is _OWN else remat)
 
     def _init_state(self, seed) -> TrainState:
         return self._expand(self._neutral_state(seed))
@@ -364,10 +371,12 @@ class Trainer:
         if self.hardware is not None:
             self.step_costs[variant] = compiled_cost(compiled, self.mesh, self.hardware)
 
-    def compiled_step(self, variant: str, batch=None, inputs=None):
+    def compiled_step(self, variant: str, batch=None, inputs=None, remat=_OWN):
         """The compiled step `variant` for a global `batch` (arrays or `jax.ShapeDtypeStruct`s; default: the latest
         batch's shapes) with the strategy's `inputs` (default: none, as every variant but a server update has),
-        compiled ahead of time from the train state's shapes: nothing runs, nothing is allocated."""
+        compiled ahead of time from the train state's shapes: nothing runs, nothing is allocated. `remat`: compile
+        it under another rematerialization policy (a name or callable, as `Trainer(remat=...)`) instead of the
+        trainer's own; such a program is only inspected (`jaxpar.explain`'s advice), never run."""
         if batch is None:
             batch = self._abstract_batch
         if batch is None:
@@ -376,6 +385,11 @@ class Trainer:
             raise ConfigError(f"step variant {variant!r}: the strategy {self.strategy.name!r} has "
                               f"{', '.join(sorted(self._steps))}")
         abstract = self.batches.abstract(batch)
+        if remat is not _OWN:
+            policy = policy_of(remat)
+            if (variant, policy) not in self._other_remat:
+                self._other_remat[variant, policy] = self._jit_step(self.variants[variant], policy)
+            return self._other_remat[variant, policy].lower(self.abstract_state(), abstract, inputs or {}).compile()
         compiled = self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
         self._count_compilation(self._signature(variant, abstract))
         return compiled
