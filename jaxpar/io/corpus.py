@@ -100,6 +100,7 @@ class Corpus:
 
     def __init__(self, files: list[str], max_bytes: int = DEFAULT_CORPUS_BYTES, label: str | None = None):
         self.label = label  # the --data value errors name (None: the default corpus)
+        self._handles: collections.OrderedDict[int, object] = collections.OrderedDict()
         self.files, sizes, total = [], [], 0
         for name in files:
             if total >= max_bytes:
@@ -116,7 +117,6 @@ class Corpus:
         self.ends = np.cumsum(np.asarray(sizes, np.int64))  # file i holds bytes [ends[i] - sizes[i], ends[i])
         self.sizes = np.asarray(sizes, np.int64)
         self.bytes_read = 0
-        self._handles: collections.OrderedDict[int, object] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
