@@ -11,7 +11,10 @@ only):
 - `on disk` (what run.py does): `open_corpus` + `split_corpus`, windows read as their batches are drawn; also the
   corpus's own count of bytes read (`Corpus.bytes_read`);
 - `in memory` (what run.py did before): `load_text` (the whole corpus, up to 4 MiB) + `split_text`.
-Prints a markdown table and one JSON line per process. No device work: only host data loading.
+Then, in this one process, the host time to draw one global batch of training windows each way (rounds alternating
+in memory / on disk, --rounds rounds of --steps batches, the median per batch): what reading on demand adds to a
+step. Prints markdown tables and one JSON line per process and one for the timing. No device work: only host data
+loading.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=300, help="training batches drawn (run.py --steps)")
     parser.add_argument("--processes", default="1,2", help="process counts to compare, comma-separated")
     parser.add_argument("--data", default=None, help="run.py --data (default: the standard library corpus)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of the draw-time measurement")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a launched process: its output folder
     args = parser.parse_args(argv)
     if args.worker:
@@ -97,15 +101,47 @@ def main(argv=None) -> None:
         print(f"| {r['processes']} | {r['rank']} | {r['on_disk_rchar']:,} | {r['corpus_bytes_read']:,} | "
               f"{r['in_memory_rchar']:,} | {r['in_memory_rchar'] / r['on_disk_rchar']:.1f} |")
     print()
-    for r in rows:
+    timing = draw_time(args)
+    print(f"Host time to draw one global batch ({timing['batch_size']} windows of {timing['seq_len'] + 1} bytes), "
+          f"median of {args.rounds} alternating rounds of {args.steps} batches\n")
+    print("| corpus in memory (before) | on disk (now) | on disk / in memory |\n|---|---|---|")
+    print(f"| {timing['in_memory_us']:.0f} us | {timing['on_disk_us']:.0f} us | "
+          f"{timing['on_disk_us'] / timing['in_memory_us']:.2f} |\n")
+    for r in rows + [timing]:
         print(json.dumps(r))
+
+
+def draw_time(args) -> dict:
+    import statistics
+    import time
+
+    sys.path.insert(0, ROOT)
+    from jaxpar.cli.config import Config
+    from jaxpar.io import data
+
+    config = Config(data=args.data).resolved()
+    parts = {"in_memory": data.split_text(data.load_text(config.data), seq_len=config.seq_len)[0],
+             "on_disk": data.split_corpus(data.open_corpus(config.data), seq_len=config.seq_len)[0]}
+    times = {name: [] for name in parts}
+    for round_ in range(args.rounds):
+        for name, part in parts.items():
+            batches = data.text_batches(part, config.batch_size, config.seq_len, seed=round_)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                next(batches)
+            times[name].append((time.perf_counter() - start) / args.steps * 1e6)
+    return {"kind": "draw_time", "batch_size": config.batch_size, "seq_len": config.seq_len, "rounds": args.rounds,
+            **{f"{name}_us": statistics.median(t) for name, t in times.items()}}
 
 
 def summarize(rows):
     """The suite's summary cell (`python -m benchmarks`) from this script's JSON rows."""
     cells = [f"{r['processes']} proc. rank {r['rank']}: {r['on_disk_rchar']:,} B (in memory {r['in_memory_rchar']:,})"
-             for r in rows]
-    return ["corpus bytes read per process, on disk (before: in memory): " + "; ".join(cells)]
+             for r in rows if "processes" in r]
+    lines = ["corpus bytes read per process, on disk (before: in memory): " + "; ".join(cells)]
+    for r in (r for r in rows if r.get("kind") == "draw_time"):
+        lines.append(f"drawing a batch: on disk {r['on_disk_us']:.0f} us, in memory {r['in_memory_us']:.0f} us")
+    return lines
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ of which a process reads just the byte ranges its windows need.
 
 The length and every file's place in the concatenation come from `os.stat` sizes, so the train / validation split
 and the byte offsets of any window are known before a byte is read. `Corpus[positions]` reads the distinct
-positions asked for, one unbuffered seeked read per contiguous run (per file), and counts the bytes it read
+positions asked for, one positioned read (`os.pread`) per contiguous run (per file), and counts the bytes it read
 (`bytes_read`). `CorpusPart` is the training or the held-out part of a corpus under `BlockSplit`, the one place that
 says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule to bytes in memory.
 
@@ -29,7 +29,7 @@ from jaxpar.errors import DataError
 DEFAULT_CORPUS_BYTES = 4 << 20  # enough text for thousands of steps of the default model
 TEXT_BLOCK_BYTES = 4096  # target size of the interleaved train / validation blocks
 SAMPLE_BYTES = 64 << 10  # what the text check (binary_note) of a --data corpus reads: its first bytes
-OPEN_FILES = 32  # file handles a corpus keeps open between reads (least recently used closed first)
+OPEN_FILES = 64  # file descriptors a corpus keeps open between reads (least recently used closed first)
 
 
 # --- which files ---------------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ class Corpus:
 
     def __init__(self, files: list[str], max_bytes: int = DEFAULT_CORPUS_BYTES, label: str | None = None):
         self.label = label  # the --data value errors name (None: the default corpus)
-        self._handles: collections.OrderedDict[int, object] = collections.OrderedDict()
+        self._handles: collections.OrderedDict[int, int] = collections.OrderedDict()  # file index -> descriptor
         self.files, sizes, total = [], [], 0
         for name in files:
             if total >= max_bytes:
@@ -116,6 +116,7 @@ class Corpus:
             total += sizes[-1]
         self.ends = np.cumsum(np.asarray(sizes, np.int64))  # file i holds bytes [ends[i] - sizes[i], ends[i])
         self.sizes = np.asarray(sizes, np.int64)
+        self._bounds = [(int(end - size), int(end)) for end, size in zip(self.ends, self.sizes)]  # per read: no numpy
         self.bytes_read = 0
 
     def __len__(self) -> int:
@@ -124,36 +125,37 @@ class Corpus:
     def _unreadable(self, name: str, error: OSError) -> DataError:
         return DataError(f"--data {self.label!r}: cannot read {name!r} ({error.strerror})")
 
-    def _handle(self, index: int):
-        handle = self._handles.pop(index, None)
-        if handle is None:
+    def _descriptor(self, index: int) -> int:
+        fd = self._handles.pop(index, None)
+        if fd is None:
             if len(self._handles) >= OPEN_FILES:
-                self._handles.popitem(last=False)[1].close()
+                os.close(self._handles.popitem(last=False)[1])
             try:
-                handle = open(self.files[index], "rb", buffering=0)  # unbuffered: each read reads what it asks
+                fd = os.open(self.files[index], os.O_RDONLY)
             except OSError as error:
                 raise self._unreadable(self.files[index], error) from error
-        self._handles[index] = handle
-        return handle
+        self._handles[index] = fd
+        return fd
 
-    def read(self, start: int, stop: int) -> bytes:
-        """Bytes [start, stop) of the corpus: one seeked read per file the range touches."""
+    def read(self, start: int, stop: int, index: int | None = None) -> bytes:
+        """Bytes [start, stop) of the corpus: one positioned read (pread) per file the range touches. `index`: the
+        file holding `start` if the caller knows it."""
         chunks, position = [], start
-        index = int(np.searchsorted(self.ends, position, side="right"))
+        if index is None:
+            index = int(np.searchsorted(self.ends, position, side="right"))
         while position < stop:
-            file_start = int(self.ends[index] - self.sizes[index])
-            take = min(stop, int(self.ends[index])) - position
+            file_start, file_end = self._bounds[index]
+            take = min(stop, file_end) - position
             if take > 0:
-                handle = self._handle(index)
+                fd = self._descriptor(index)
                 try:
-                    handle.seek(position - file_start)
-                    chunk = handle.read(take)
+                    chunk = os.pread(fd, take, position - file_start)
                 except OSError as error:
                     raise self._unreadable(self.files[index], error) from error
                 if len(chunk) != take:
                     raise DataError(f"--data {self.label!r}: {self.files[index]!r} has shrunk to "
-                                    f"{os.fstat(handle.fileno()).st_size} bytes since the run started (it had at "
-                                    f"least {int(self.sizes[index])}); leave a run's data unchanged while it trains")
+                                    f"{os.fstat(fd).st_size} bytes since the run started (it had at least "
+                                    f"{int(self.sizes[index])}); leave a run's data unchanged while it trains")
                 chunks.append(chunk)
                 self.bytes_read += take
                 position += take
@@ -161,21 +163,34 @@ class Corpus:
         return b"".join(chunks)
 
     def __getitem__(self, positions) -> np.ndarray:
-        """The bytes at `positions` (uint8, the same shape): each distinct position read once, by contiguous runs."""
+        """The bytes at `positions` (uint8, the same shape). The positions are taken as runs of consecutive ones (a
+        window is one run); overlapping runs are merged, so each distinct position is read once, by one read per
+        merged run (per file)."""
         positions = np.asarray(positions, np.int64)
-        if positions.size == 0:
+        flat = positions.ravel()
+        if flat.size == 0:
             return np.zeros(positions.shape, np.uint8)
-        if positions.min() < 0 or positions.max() >= len(self):
+        if flat.min() < 0 or flat.max() >= len(self):
             raise IndexError(f"corpus positions must be in [0, {len(self)})")
-        distinct = np.unique(positions)
-        breaks = np.flatnonzero(np.diff(distinct) != 1) + 1
-        starts, stops = distinct[np.r_[0, breaks]], distinct[np.r_[breaks - 1, len(distinct) - 1]] + 1
-        buffer = np.frombuffer(b"".join(self.read(int(a), int(b)) for a, b in zip(starts, stops)), np.uint8)
-        return buffer[np.searchsorted(distinct, positions)]  # the k-th distinct position is the k-th byte read
+        breaks = np.flatnonzero(np.diff(flat) != 1) + 1
+        starts, lengths = flat[np.r_[0, breaks]], np.diff(np.r_[0, breaks, flat.size])
+        merged: list[list[int]] = []  # [start, stop) of the ranges read, in corpus order
+        for start, stop in sorted(zip(starts.tolist(), (starts + lengths).tolist())):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        merged_starts = np.array([a for a, _ in merged], np.int64)
+        files = np.searchsorted(self.ends, merged_starts, side="right").tolist()
+        buffer = np.frombuffer(b"".join(self.read(a, b, k) for (a, b), k in zip(merged, files)), np.uint8)
+        merged_offsets = np.cumsum([0] + [b - a for a, b in merged[:-1]])  # where each range begins in buffer
+        home = np.searchsorted(merged_starts, starts, side="right") - 1  # the merged range holding each run
+        shift = merged_offsets[home] - merged_starts[home]  # buffer index - corpus position, per run
+        return buffer[flat + np.repeat(shift, lengths)].reshape(positions.shape)
 
     def close(self) -> None:
         while self._handles:
-            self._handles.popitem()[1].close()
+            os.close(self._handles.popitem()[1])
 
     def __del__(self):
         self.close()
