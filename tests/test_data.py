@@ -194,7 +194,7 @@ def test_a_corpus_reads_exactly_the_bytes_asked_for_across_files(tmp_path):
     assert len(corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=12).files) == 3  # stops at the cut
 
 
-def test_a_file_that_shrinks_during_the_run_is_one_line(tmp_path):
+def test_a_file_that_shrinks_or_goes_during_the_run_is_one_line(tmp_path):
     name, = _files(tmp_path, [b"x" * 100])
     corpus = data.open_corpus(name)
     open(name, "wb").write(b"x" * 50)
@@ -202,6 +202,11 @@ def test_a_file_that_shrinks_during_the_run_is_one_line(tmp_path):
                                                r"started \(it had at least 100\); leave a run's data unchanged while "
                                                r"it trains$"):
         corpus[np.array([60])]
+    gone = corpus_lib.Corpus([name], label=name)  # (open_corpus would have it open already: its text sample)
+    os.remove(name)
+    with pytest.raises(jaxpar.DataError, match=r"^--data '.*f0.txt': cannot read '.*f0.txt' \(No such file or "
+                                               r"directory\)$"):
+        gone[np.array([0])]
 
 
 def test_opening_reads_nothing_of_the_default_corpus_and_a_bounded_sample_of_data(tmp_path):
