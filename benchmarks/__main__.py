@@ -75,6 +75,8 @@ BENCHMARKS = [
               "against M, stage=4 against data=4 steps/s"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
+    Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},
+              "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
 ]
 
 

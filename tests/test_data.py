@@ -1,8 +1,16 @@
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.io import corpus as corpus_lib
 from jaxpar.io import data
+from tests.helpers import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def source(n=10):
@@ -147,3 +155,113 @@ def test_default_corpus_held_out_blocks_are_about_5_percent_spread_over_the_whol
     p, q = (np.bincount(part, minlength=256) + 1.0 for part in (val, train))
     p, q = p / p.sum(), q / q.sum()
     assert (p * np.log2(p / q)).sum() < 0.05
+
+
+# --- the corpus on disk: each process reads only its windows -------------------------------------------------------
+@pytest.mark.parametrize("fraction", [0.05, 0.1, 1 / 3, 0.5])
+@pytest.mark.parametrize("length, seq_len", [(1, 16), (40, 16), (5120, 128), (5119, 128), (100_000, 64),
+                                             (3_000, 16), (77_777, 200)])
+def test_the_lazy_split_is_split_text_position_for_position(length, seq_len, fraction):
+    positions = np.arange(length)  # a corpus whose byte k is k: the split's positions, computed without reading
+    train, val = data.split_text(positions, fraction, seq_len)
+    lazy_train, lazy_val = data.split_corpus(positions, fraction, seq_len)
+    assert (len(lazy_train), len(lazy_val)) == (len(train), len(val))
+    np.testing.assert_array_equal(lazy_train[np.arange(len(train))], train)
+    np.testing.assert_array_equal(lazy_val[np.arange(len(val))], val)
+    with pytest.raises(IndexError):
+        lazy_val[np.array([len(val)])]
+
+
+def _files(tmp_path, contents):
+    names = []
+    for k, content in enumerate(contents):
+        (tmp_path / f"f{k}.txt").write_bytes(content)
+        names.append(str(tmp_path / f"f{k}.txt"))
+    return names
+
+
+def test_a_corpus_reads_exactly_the_bytes_asked_for_across_files(tmp_path):
+    contents = [b"abcdefghij", b"", b"KLMNO", b"pqrstuvwxyz0123456789"]
+    corpus = corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=30)
+    whole = np.frombuffer(b"".join(contents)[:30], np.uint8)
+    assert len(corpus) == 30 and corpus.bytes_read == 0  # sizes come from os.stat
+    picked = np.array([[9, 10, 11], [14, 15, 29], [10, 10, 0]])  # across the empty file; repeats; the cut end
+    np.testing.assert_array_equal(corpus[picked], whole[picked])
+    assert corpus.bytes_read == 7  # distinct positions 0, 9, 10, 11, 14, 15, 29: each read once
+    assert corpus.read(8, 16) == whole[8:16].tobytes() and corpus.bytes_read == 15
+    with pytest.raises(IndexError):
+        corpus[np.array([30])]
+    assert len(corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=12).files) == 3  # stops at the cut
+
+
+def test_a_file_that_shrinks_or_goes_during_the_run_is_one_line(tmp_path):
+    name, = _files(tmp_path, [b"x" * 100])
+    corpus = data.open_corpus(name)
+    open(name, "wb").write(b"x" * 50)
+    with pytest.raises(jaxpar.DataError, match=r"^--data '.*f0.txt': '.*f0.txt' has shrunk to 50 bytes since the run "
+                                               r"started \(it had at least 100\); leave a run's data unchanged while "
+                                               r"it trains$"):
+        corpus[np.array([60])]
+    gone = corpus_lib.Corpus([name], label=name)  # (open_corpus would have it open already: its text sample)
+    os.remove(name)
+    with pytest.raises(jaxpar.DataError, match=r"^--data '.*f0.txt': cannot read '.*f0.txt' \(No such file or "
+                                               r"directory\)$"):
+        gone[np.array([0])]
+
+
+def test_opening_reads_nothing_of_the_default_corpus_and_a_bounded_sample_of_data(tmp_path):
+    assert data.open_corpus(None).bytes_read == 0
+    name, = _files(tmp_path, [b"text " * 100_000])
+    assert data.open_corpus(name).bytes_read == corpus_lib.SAMPLE_BYTES
+
+
+@pytest.mark.parametrize("seq_len", [16, 128])
+def test_windows_read_from_disk_equal_the_windows_of_the_corpus_in_memory(seq_len):
+    tokens = data.load_text(None)
+    corpus = data.open_corpus(None)
+    for part, lazy in zip(data.split_text(tokens, seq_len=seq_len), data.split_corpus(corpus, seq_len=seq_len)):
+        windows, lazy_windows = data.TextWindows(part, seq_len), data.TextWindows(lazy, seq_len)
+        assert len(lazy_windows) == len(windows)
+        picked = np.r_[np.random.default_rng(0).integers(0, len(windows), 100), 0, len(windows) - 1]
+        np.testing.assert_array_equal(lazy_windows[picked]["tokens"], windows[picked]["tokens"])
+
+
+def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_only_its_windows():
+    from jaxpar.cli.build import datasets
+
+    config = jaxpar.Config(model="transformer", seq_len=16, seed=3)
+    old_train, old_val = data.split_text(data.load_text(None), seq_len=16)  # the whole corpus in memory
+    old = data.text_batches(old_train, 8, 16, seed=3)
+    train, held_out = datasets(config, lambda step: 8, 8)
+    for _ in range(5):
+        np.testing.assert_array_equal(next(train)["tokens"], next(old)["tokens"])
+    np.testing.assert_array_equal(held_out[np.arange(10)]["tokens"], data.TextWindows(old_val, 16)[np.arange(10)]["tokens"])
+    corpus = train.source.tokens.corpus
+    assert corpus.bytes_read == 5 * 8 * 17 + 10 * 16 + 1  # 40 training windows, 10 consecutive held-out ones
+    half, _ = datasets(config, lambda step: 8, 8)
+    half.rows = lambda size: np.arange(size // 2, size)  # the second of two processes' rows
+    np.testing.assert_array_equal(next(half)["tokens"], next(data.text_batches(old_train, 8, 16, seed=3))["tokens"][4:])
+    assert half.source.tokens.corpus.bytes_read == 4 * 17
+
+
+def test_two_processes_draw_the_rows_of_the_one_process_batches_reading_half_the_bytes(tmp_path):
+    # 2 processes x 1 CPU device (tests/distributed_data.py) against this process drawing every row
+    from jaxpar.cli.build import datasets
+
+    env = child_env()
+    done = subprocess.run([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "2", "--devices-per-process", "1",
+                           "--", os.path.join(ROOT, "tests", "distributed_data.py"), str(tmp_path / "p")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [dict(np.load(tmp_path / f"p{k}.npz")) for k in (0, 1)]
+    train, held_out = datasets(jaxpar.Config(model="transformer", seq_len=16, seed=3), lambda step: 8, 8)
+    expected = np.stack([next(train)["tokens"] for _ in range(5)])
+    evaluated = next(data.Batches(held_out, 8, seed=0, shuffle=False))["tokens"]
+    assert [p["rows"].tolist() for p in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for key, whole in (("first", expected[:3]), ("rest", expected[3:]), ("resumed", expected[3:])):
+        np.testing.assert_array_equal(np.concatenate([p[key] for p in got], axis=1), whole)
+    np.testing.assert_array_equal(np.concatenate([p["evaluated"] for p in got]), evaluated)
+    # each process read its 28 training windows (5 + 2 resumed batches of 4) and 4 held-out ones (65 bytes), not
+    # the corpus (4 MiB)
+    assert [int(p["bytes_read"]) for p in got] == [7 * 4 * 17 + 65] * 2
+    assert int(got[0]["corpus_bytes"]) == data.DEFAULT_CORPUS_BYTES

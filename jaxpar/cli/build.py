@@ -46,9 +46,8 @@ def make_optimizer(config: Config, schedule) -> optax.GradientTransformation:
 def datasets(config: Config, size_at, largest: int):
     """(train batches, held-out source) for the config's model, by the dataset its registry entry names."""
     if models.spec(config.model).dataset == models.registry.TEXT:
-        tokens = data.load_text(config.data)
-        models.check_labels({"tokens": tokens}, config.vocab)  # bytes < 256 <= vocab: a cheap guard all the same
-        train_tokens, val_tokens = data.split_text(tokens, seq_len=config.seq_len)
+        # the corpus stays on disk: each process reads only the windows of its rows (bytes < 256 <= --vocab)
+        train_tokens, val_tokens = data.split_corpus(data.open_corpus(config.data), seq_len=config.seq_len)
         train = data.text_batches(train_tokens, size_at, config.seq_len, config.seed, "training text",
                                   largest_batch=largest)
         return train, data.TextWindows(val_tokens, config.seq_len)

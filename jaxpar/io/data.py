@@ -4,33 +4,32 @@ Sources (random access by example index, never downloaded):
 - digits: scikit-learn's 1,797 8x8 handwritten digits (bundled with the package), split 1,497 train / 300 test.
 - text: bytes of a text file or a folder of text files (`--data`), or by default the Python standard library's
   `.py` files in sorted order; split train / validation by interleaved blocks (every 20th held out), each part cut
-  into windows of seq_len + 1 bytes.
+  into windows of seq_len + 1 bytes. A run keeps the corpus on disk (`jaxpar.io.corpus`): a window's bytes are read
+  when its batch is drawn, so a process reads only the windows of its own rows.
 - synthetic: seeded random images or tokens of any size, for benchmarks.
 
 `Batches` draws example indices from grain's shuffled, endlessly repeated index stream (a new permutation every
 epoch, a pure function of (seed, epoch)), so a batch is a pure function of its position in that stream: the
-iterator state is two integers and restores exactly. Each process loads only its own rows of the global batch.
+iterator state is two integers and restores exactly. Each process loads only its own rows of the global batch:
+it computes the indices of those rows only, and asks the source for those examples only.
 `prefetch_to_device` keeps the next batches' host-to-device copies in flight while the current step runs.
 """
 
 from __future__ import annotations
 
-import codecs
 import collections
-import logging
-import os
-import stat
-import sysconfig
 from collections.abc import Callable, Iterator
 
 import grain
 import numpy as np
 
 from jaxpar.errors import DataError
+from jaxpar.io.corpus import BlockSplit, open_corpus
+# (re-exported: these were defined here before the corpus had its own module)
+from jaxpar.io.corpus import (DEFAULT_CORPUS_BYTES, TEXT_BLOCK_BYTES, binary_note,  # noqa: F401
+                              default_corpus_files, path_kind, split_corpus, text_block_size)
 
 DIGITS_TEST_SIZE = 300
-DEFAULT_CORPUS_BYTES = 4 << 20  # enough text for thousands of steps of the default model
-TEXT_BLOCK_BYTES = 4096  # target size of the interleaved train / validation blocks of split_text
 
 
 # --- sources -----------------------------------------------------------------------------------------------------
@@ -48,7 +47,8 @@ class ArraySource:
 
 
 class TextWindows:
-    """Example k is the window tokens[k*seq_len : k*seq_len + seq_len + 1] ({"tokens": int32 [seq_len + 1]})."""
+    """Example k is the window tokens[k*seq_len : k*seq_len + seq_len + 1] ({"tokens": int32 [seq_len + 1]}).
+    `tokens`: uint8 bytes in memory, or a `jaxpar.io.corpus.CorpusPart` (only the windows asked for are read)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
@@ -91,92 +91,21 @@ def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return {"image": images[train], "label": labels[train]}, {"image": images[test], "label": labels[test]}
 
 
-def default_corpus_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__", "test", "tests"))
-        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
-    return sorted(files, key=lambda f: os.path.relpath(f, root))
-
-
-def path_kind(path: str) -> str:
-    """What is at `path`, in words: 'a regular file', 'a folder', 'a character device', ... or 'nothing'."""
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a dangling symbolic link (to {os.readlink(path)!r}, which does not exist)"
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return "nothing"
-    for test, words in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                        (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return words
-    return "not a regular file"
-
-
-def binary_note(tokens: np.ndarray) -> str | None:
-    """Why `tokens` do not look like text (invalid UTF-8 or NUL bytes), or None. A cut multi-byte character at the
-    end (max_bytes) is not counted."""
-    raw = tokens.tobytes()
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
-    except UnicodeDecodeError as error:
-        return f"is not UTF-8 text (invalid byte at offset {error.start})"
-    zero = raw.find(b"\0")
-    return None if zero < 0 else f"is not text (a NUL byte at offset {zero})"
-
-
 def load_text(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> np.ndarray:
-    """The corpus as uint8 tokens (byte-level: vocabulary 256)."""
-    if path is None:
-        files = default_corpus_files()
-        if not files:
-            raise DataError("no default corpus: the Python standard library has no .py files here; pass --data PATH")
-    elif os.path.isdir(path):
-        files = sorted(f for f in (os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
-                       if os.path.isfile(f))  # regular files only: no FIFOs, sockets or dangling links
-        if not files:
-            raise DataError(f"--data {path!r}: the folder contains no files; pass a text file or a folder of them")
-    elif os.path.isfile(path):
-        files = [path]
-    elif path_kind(path) == "nothing":
-        raise DataError(f"--data {path!r}: no such file or folder; pass a text file or a folder of text files")
-    else:
-        raise DataError(f"--data {path!r}: is {path_kind(path)}, not a file or folder; pass a text file or a folder "
-                        f"of text files")
-    chunks, total = [], 0
-    for name in files:
-        try:
-            with open(name, "rb") as handle:
-                chunk = handle.read(max_bytes - total)
-        except OSError as error:
-            raise DataError(f"--data {path!r}: cannot read {name!r} ({error.strerror})") from error
-        chunks.append(chunk)
-        total += len(chunk)
-        if total >= max_bytes:
-            break
-    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
-    if tokens.size == 0:
-        raise DataError(f"--data {path!r}: contains no text (0 bytes); pass a non-empty text file or folder")
-    why = binary_note(tokens) if path is not None else None
-    if why:  # byte-level: any bytes train; say so in case it was a mistake
-        logging.getLogger("jaxpar").warning(f"--data {path!r} {why}; training on its raw bytes anyway")
-    return tokens
-
-
-def text_block_size(length: int, seq_len: int = 128, period: int = 20) -> int:
-    """Bytes per block of `split_text`: a multiple of seq_len, about TEXT_BLOCK_BYTES, never below two windows, and
-    small enough that a corpus of `length` bytes has at least `period` blocks when it can."""
-    windows = max(2, min(max(TEXT_BLOCK_BYTES // seq_len, 1), length // (period * seq_len)))
-    return windows * seq_len
+    """The whole corpus in memory as uint8 tokens (byte-level: vocabulary 256). A run reads only its windows
+    instead (`jaxpar.io.corpus.open_corpus` and `split_corpus`); this is for small corpora and benchmarks."""
+    corpus = open_corpus(path, max_bytes)
+    try:
+        return np.frombuffer(corpus.read(0, len(corpus)), dtype=np.uint8)
+    finally:
+        corpus.close()
 
 
 def split_text(tokens: np.ndarray, validation_fraction: float = 0.05,
                seq_len: int = 128) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) tokens: the corpus cut into blocks of `text_block_size` bytes; with period =
-    round(1 / validation_fraction), block k is held out when k % period == period // 2, the rest are training.
+    round(1 / validation_fraction), block k is held out when k % period == period // 2, the rest are training
+    (`jaxpar.io.corpus.BlockSplit`; `split_corpus` is the same split of a corpus on disk, read lazily).
 
     Why interleaved blocks: the default corpus is the standard library in sorted path order, so its tail (the last
     files alphabetically) is different text from the rest; every 20th block samples the whole corpus evenly (about
@@ -191,11 +120,8 @@ def split_text(tokens: np.ndarray, validation_fraction: float = 0.05,
     inputs inside one block and only its last target byte may come from the next block of the same part; whatever
     seq_len, no window mixes the parts. The split is a pure function of (len(tokens), validation_fraction, seq_len).
     """
-    if not 0 < validation_fraction <= 0.5:
-        raise ValueError(f"validation_fraction {validation_fraction}: must be in (0, 0.5]")
-    period = round(1 / validation_fraction)
-    block = text_block_size(len(tokens), seq_len, period)
-    held_out = (np.arange(len(tokens)) // block) % period == period // 2
+    split = BlockSplit.of(len(tokens), validation_fraction, seq_len)
+    held_out = split.held_out(np.arange(len(tokens)) // split.block)
     return tokens[~held_out], tokens[held_out]
 
 
