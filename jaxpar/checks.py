@@ -1,4 +1,4 @@
-"""The one check of integer arguments and options, for the library and the CLI alike.
+"""The one check of integer arguments and options, for the library and the CLI alike (and of a file to write).
 
     check_int("LocalSGD(period=...)", period, 1, "steps between meetings")   # "..." is replaced by the value
     check_int("grad_accum", grad_accum, 1, "microbatches per update")         # shown as "grad_accum 0: ..."
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 
 from jaxpar.errors import ConfigError, JaxparError
 
@@ -41,3 +42,15 @@ def check_int(where: str, value, low: int, why: str = "", *, high: int | None = 
     if problem:
         shown = where.replace("...", repr(value)) if "..." in where else f"{where} {value!r}"
         raise error(f"{shown}: {problem}")
+
+
+def unwritable_file(path: str, flag: str, hint: str) -> str | None:
+    """Why `path` cannot be written as a file (None if it can), as one line naming `flag`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path!r}: is a folder; {hint}"
+    if not os.path.isdir(folder):
+        return f"{flag} {path!r}: the folder {folder!r} does not exist; pass a path in an existing folder"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path!r}: cannot be written (permission denied); {hint}"
+    return None

@@ -24,6 +24,7 @@ import statistics
 import sys
 
 from jaxpar.io.metrics import EVAL_PREFIX
+from jaxpar.checks import unwritable_file
 from jaxpar.errors import DataError
 
 
@@ -181,18 +182,6 @@ def figure_path(output: str) -> str:
     return output
 
 
-def _unwritable(path: str, flag: str, hint: str) -> str | None:
-    """Why `path` cannot be written as a file (None if it can), as one line naming `flag`."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{flag} {path!r}: is a folder; {hint}"
-    if not os.path.isdir(folder):
-        return f"{flag} {path!r}: the folder {folder!r} does not exist; pass a path in an existing folder"
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{flag} {path!r}: cannot be written (permission denied); {hint}"
-    return None
-
-
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m jaxpar.report", description="Plot runs' --metrics JSONL files and print a "
                                                                  "table of their final numbers.")
@@ -216,9 +205,9 @@ def main(argv=None) -> int:
     if kind not in fig.canvas.get_supported_filetypes():
         return error(f"-o {args.output!r}: cannot write a .{kind} figure; pass a path ending in .png, .pdf or .svg")
     # Both outputs are checked before either is written: a refused run leaves no file behind.
-    problems = [_unwritable(output, "-o", "pass another path ending in .png, .pdf or .svg")]
+    problems = [unwritable_file(output, "-o", "pass another path ending in .png, .pdf or .svg")]
     if args.table:
-        problems.append(_unwritable(args.table, "--table", "pass another path for the markdown table"))
+        problems.append(unwritable_file(args.table, "--table", "pass another path for the markdown table"))
     for problem in problems:
         if problem:
             return error(problem)

@@ -383,6 +383,12 @@ def device_grid_spec(mesh: Mesh) -> P:
     return P(*mesh.axis_names)
 
 
+def leading_over_devices(mesh: Mesh) -> NamedSharding:
+    """The leading dimension split over every device of the mesh jointly: one block per device (calibration's
+    per-device buffers)."""
+    return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+
 def replicate_within(tree):
     """Inside a replica-manual shard_map: every leaf whole on each of the replica's devices."""
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, REPLICATED), tree)
