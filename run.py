@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    if jaxpar.runtime.distributed.is_main() and "explain" not in summary:
+    if jaxpar.runtime.distributed.is_main() and not {"explain", "plan"} & set(summary):
         print(f"done: {summary['steps']} steps in {summary['seconds']:.1f}s", flush=True)
     return 0
 

@@ -10,6 +10,7 @@ import sys
 
 from jaxpar.cli.config import Config
 from jaxpar.cost.explain import explain, format_explain
+from jaxpar.cost.plan import plan
 from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
 from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError,
                            OptionError, ResourceError, ShardingError, StateError)
@@ -37,7 +38,7 @@ __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "
            "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
            "ModelError", "OptionError", "PROFILES", "Pipeline", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
            "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "communicator", "distributed",
-           "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline", "use_compile_cache"]
+           "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline", "plan", "use_compile_cache"]
 
 
 def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used

@@ -98,6 +98,9 @@ class Config:
     no_compile_cache: bool = _run(False, "do not use JAX's persistent compilation cache (default folder: "
                                          "$JAXPAR_COMPILE_CACHE or ~/.cache/jaxpar/xla)")
     explain: bool = _run(False, "print the sharding plan, memory, collectives and FLOPs, then exit without training")
+    plan: bool = _run(False, "rank meshes x strategies x remat on --hardware for --devices devices (projected step "
+                             "time, memory), print the flags of the best, then exit without training")
+    devices: int | None = _run(None, "with --plan: the number of devices to plan for (default: as many as --mesh uses)")
     eval_every: int = _run(0, "evaluate on the held-out split every N steps (0: only at the end)")
     eval_batches: int = _run(4, "held-out batches per evaluation (text; digits: the whole test split)")
     # --- checkpoints and numerical faults ---

@@ -47,6 +47,10 @@ def train(config: Config) -> dict:
         use_compile_cache(None)
     else:
         ensure_compile_cache()
+    if config.plan:  # before anything starts JAX: --devices decides how many CPU devices it creates
+        from jaxpar.cli.planning import plan_run
+
+        return plan_run(config)
     if join_processes(config) and not distributed.is_main():
         log.setLevel(logging.ERROR)  # process 0 reports the notes
     for line in run_notes(config):

@@ -98,6 +98,13 @@ def check_combinations(config: Config) -> None:
 
 def check_profile(config: Config) -> None:
     """--profile-dir only with --profile; the folder --profile writes into by default is checked like a given one."""
+    if config.plan and not config.hardware:
+        raise ConfigError("--plan: needs --hardware (the profile to plan for: a100-nvlink, a100-ib100, a100-eth10, "
+                          "key=value items, or a file from python -m jaxpar.calibrate)")
+    if config.plan and config.explain:
+        raise ConfigError("--plan with --explain: give one of them (--plan ranks every mesh; --explain details this one)")
+    if config.devices is not None and not config.plan:
+        raise ConfigError(f"--devices {config.devices}: applies only with --plan (a run's devices come from --mesh)")
     if config.profile_dir is not None and config.profile is None:
         raise ConfigError(f"--profile-dir {config.profile_dir!r}: applies only with --profile; add e.g. --profile 2:4")
     if config.profile is not None and config.profile_dir is None and not config.tensorboard:

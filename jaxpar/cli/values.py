@@ -159,6 +159,7 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "seed": (within(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)"),),
     "log_every": (at_least(1),),
     "remat": (one_of(REMATS, noun="remat policy"),),
+    "devices": (at_least(1),),
     "metrics": (paths.metrics_check,),
     "tensorboard": (paths.writable_folder("runs/"),),
     "profile": (parses(parse_profile),),

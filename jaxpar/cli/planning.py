@@ -1,0 +1,56 @@
+"""`run.py --plan --hardware PROFILE [--devices N]`: the plan advisor (`jaxpar.cost.plan`) on the configured model,
+optimizer and global batch, for N devices (default: as many as --mesh uses); prints the ranked plans with the flags that run them; nothing trains and nothing is
+written."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+import models
+from jaxpar.cli.build import datasets, make_optimizer
+from jaxpar.cli.config import Config
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.strategies import DiLoCo, LocalSGD, Sync
+
+# Steps to the target loss measured by `python -m benchmarks --only strategies` (benchmarks/RESULTS-strategies.md,
+# fast-link scenario, mesh 4x2: 4 replicas, seed 0): the first step whose 10-step mean training loss reached the
+# lowest such mean sync SGD had within its first 160 steps. inf: not reached in the run. Only for the built-in
+# models, at their default learning rates; another model, lr or replica count needs its own measurement.
+MEASURED_STEPS = {
+    "mlp": {Sync.name: 138, f"{LocalSGD.name} H=4": 219, f"{LocalSGD.name} H=16": 236, f"{DiLoCo.name} H=4": 306},
+    "transformer": {Sync.name: 160, f"{LocalSGD.name} H=4": 200, f"{LocalSGD.name} H=16": 256,
+                    f"{DiLoCo.name} H=4": math.inf},
+}
+
+
+def steps_ratios(model: str) -> dict:
+    steps = MEASURED_STEPS.get(model, {})
+    if Sync.name not in steps:
+        return {}
+    return {label: count / steps[Sync.name] for label, count in steps.items() if label != Sync.name}
+
+
+def _mesh_devices(spec: str) -> int | None:
+    """The device count `--mesh` asks for (None when a -1 takes every device)."""
+    sizes = mesh_lib.parse_mesh_spec(spec)
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def plan_run(config: Config) -> dict:
+    """Prints the ranked plans and returns {"plan": result}."""
+    from jaxpar.cost.plan import lines, plan
+
+    devices = config.devices or _mesh_devices(config.mesh)
+    if devices is not None:
+        mesh_lib.make_mesh(str(devices))  # on CPU, JAX starts with that many devices
+    devices = devices or len(jax.devices())
+    train, _ = datasets(config, lambda step: config.batch_size, config.batch_size)
+    first = next(iter(train))
+    batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype) for k, v in first.items()}
+    result = plan(models.factory(config), models.loss_for(config), make_optimizer(config, config.lr), batch,
+                  config.hardware, devices, rules=config.rules, steps_ratio=steps_ratios(config.model),
+                  progress=lambda line: print(f"plan: {line}", flush=True))
+    print("\n".join(lines(result)), flush=True)
+    return {"plan": result}

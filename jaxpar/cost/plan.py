@@ -1,0 +1,270 @@
+"""The plan advisor: which mesh, strategy and remat policy to run a model and global batch on N devices of a
+hardware profile (`jaxpar.plan(...)`, `run.py --plan --hardware PROFILE [--devices N]`).
+
+How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md):
+- Meshes: every factorisation of N into data x fsdp x model (stage only when asked for). A mesh the model does
+  not divide over (a dimension not a multiple of the model axis, a batch not a multiple of data x fsdp) is refused
+  with the Trainer's own one-line reason.
+- Each mesh is compiled once, under sync SGD with the compiler's all-reduce (`jaxpar.explain`): its FLOPs, its
+  collectives priced on the profile, and XLA's memory analysis.
+- Strategies are priced from that one compiled step, never compiled themselves: sync with a hand-written
+  allreduce replaces the compiled gradient all-reduce over data by the algorithm's textbook traffic
+  (`theoretical_traffic`: steps x alpha + bytes / bandwidth on the data link); local SGD and DiLoCo with period H
+  take (H - 1) local steps (the compiled step minus its exchange over data) and one meeting (the whole step)
+  per H (`Strategy.project`). Their memory is the compiled step's with the train state swapped for the
+  strategy's own (`Trainer.state_bytes_per_device`, from shapes only).
+- Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
+  no remat are applied to every mesh (an estimate, said in the output).
+- Time to a target loss: a strategy that averages less often may need more steps for the same loss. Those step
+  ratios cannot be known before training; the advisor takes them from `steps_ratio` (default: none known, so plans
+  are ranked by step time and local SGD / DiLoCo are marked "steps to target not known"). `benchmarks/
+  strategies.py` measures such ratios for the built-in models; pass them as `steps_ratio={"local_sgd H=4": 1.25}`.
+
+Plans that do not fit a device's memory (the profile's `memory`, else the device's own) are listed with the
+reason, after the ones that do. Ranked by projected seconds per step (times the step ratio where known).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+from jaxpar.errors import JaxparError
+
+DEFAULT_PERIODS = (4, 16)
+DEFAULT_REMATS = ("none", "full")
+
+
+class Candidate(NamedTuple):
+    """One plan: the flags that run it and what the advisor projects for it."""
+
+    mesh: str  # a --mesh spec
+    strategy: str  # e.g. "sync", "sync allreduce=ring", "local_sgd H=4"
+    flags: str  # the run.py flags that run it
+    remat: str
+    seconds: float  # projected seconds per step
+    memory: int  # bytes per device (compiled, or estimated: see `estimated`)
+    fits: bool
+    steps_ratio: float | None  # steps to the target loss relative to sync (None: not known)
+    parts: dict  # compute / communication / exchange seconds, and what was estimated
+    why: str = ""  # why it loses (set when ranked)
+
+
+def factorizations(devices: int, axes: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered way to write `devices` as a product of `axes` positive integers."""
+    if axes == 1:
+        return [(devices,)]
+    return [(d,) + rest for d in range(1, devices + 1) if devices % d == 0
+            for rest in factorizations(devices // d, axes - 1)]
+
+
+def mesh_specs(devices: int, stages: bool = False) -> list[str]:
+    """The --mesh specs of every factorisation (data, fsdp, model; with `stages`, stage too), data-only first."""
+    from jaxpar.parallel import mesh as mesh_lib
+
+    roles = ((mesh_lib.DATA, mesh_lib.STAGE, mesh_lib.FSDP, mesh_lib.MODEL) if stages
+             else (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL))
+    specs = []
+    for sizes in sorted(factorizations(devices, len(roles)), key=lambda s: tuple(-x for x in s)):
+        specs.append(",".join(f"{role}={size}" for role, size in zip(roles, sizes)))
+    return specs
+
+
+def _strategies(periods):
+    """(label, strategy instance or None for the compiled sync, flags, how to price) of every candidate."""
+    from jaxpar.strategies import DiLoCo, LocalSGD, Sync
+
+    out = [(Sync.name, Sync(), f"--strategy {Sync.name}", ("compiled",))]
+    for algorithm in ("ring", "torus2d", "ps"):
+        out.append((f"{Sync.name} allreduce={algorithm}", Sync(algorithm), f"--strategy {Sync.name} --allreduce {algorithm}",
+                    ("allreduce", algorithm)))
+    for cls in (LocalSGD, DiLoCo):
+        for h in periods:
+            out.append((f"{cls.name} H={h}", cls(period=h), f"--strategy {cls.name} --sync-period {h}",
+                        ("period", cls, h)))
+    return out
+
+
+def _exchange_seconds(entry) -> float:
+    """Projected seconds of the compiled step's collectives over the data axis (the gradient average)."""
+    from jaxpar.parallel import mesh as mesh_lib
+
+    return sum(c.get("seconds", 0.0) for c in entry["communication"]
+               if mesh_lib.DATA in c["axes"].split("+"))
+
+
+def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profile) -> float:
+    """The textbook time of averaging `gradient_bytes` over `replicas` with `algorithm` on the data link."""
+    from jaxpar.parallel import mesh as mesh_lib
+    from jaxpar.parallel.collectives import theoretical_traffic
+
+    if replicas <= 1:
+        return 0.0
+    traffic = theoretical_traffic(algorithm, replicas, gradient_bytes)
+    link = profile.link((mesh_lib.DATA,))
+    return traffic["steps"] * link.alpha + traffic["bytes_sent_per_device"] / link.bandwidth
+
+
+def _remat_ratios(trainer, batch, variant, remats) -> dict:
+    """Per remat policy: (temporaries ratio, FLOPs ratio) to no remat, compiled on `trainer`'s mesh."""
+    from jaxpar.cost.hlo import loop_flops
+    from jaxpar.runtime.resources import step_bytes, step_flops
+
+    measured = {}
+    for name in dict.fromkeys(("none",) + tuple(remats)):
+        compiled = trainer.compiled_step(variant, batch, remat=name)
+        memory = step_bytes(compiled)
+        flops = loop_flops(compiled, step_flops(compiled)).per_device
+        measured[name] = (memory["temporaries"] if memory else None, flops)
+    base_temps, base_flops = measured["none"]
+    return {name: ((temps / base_temps) if temps is not None and base_temps else 1.0,
+                   (flops / base_flops) if flops and base_flops else 1.0)
+            for name, (temps, flops) in measured.items() if name in remats}
+
+
+def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices: int | None = None, *,
+         rules=None, meshes=None, periods=DEFAULT_PERIODS, remats=DEFAULT_REMATS, stages: bool = False,
+         steps_ratio: dict | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Ranks the plans for `model` (a factory, as `Trainer` takes), `loss_fn`, `optimizer` and global batches
+    shaped like `batch` on `devices` devices (default: all) of the hardware profile `hardware` (see the module
+    docstring). Returns {"plans": [Candidate, ...] ranked, "refused": {mesh: reason}, "budget": bytes,
+    "remat_mesh": the mesh remat ratios were compiled on}."""
+    import jax
+
+    from jaxpar.cost.explain import explain
+    from jaxpar.cost.fit import budget_of
+    from jaxpar.cost.hardware import parse_hardware
+    from jaxpar.errors import ConfigError
+    from jaxpar.parallel.mesh import make_mesh, replica_count
+    from jaxpar.train.trainer import Trainer
+
+    profile = parse_hardware(hardware)
+    if profile is None:
+        raise ConfigError("plan: no hardware profile: pass hardware= (a profile name, key=value items, or a "
+                          "calibration file from python -m jaxpar.calibrate)")
+    devices = devices or len(jax.devices())
+    pool = jax.devices()[:devices]
+    if len(pool) < devices:
+        raise ConfigError(f"plan: devices={devices}, but JAX has {len(pool)}; plan for at most {len(pool)}, or "
+                          f"start with more (on CPU: run.py --plan --devices {devices} starts that many)")
+    steps_ratio = dict(steps_ratio or {})
+    strategies = _strategies(periods)
+    plans, refused, ratios, remat_mesh, budget = [], {}, None, None, None
+    for spec in meshes or mesh_specs(devices, stages):
+        mesh = make_mesh(spec, devices=pool)
+        try:
+            trainer = Trainer(model, loss_fn, optimizer, mesh, rules=rules, hardware=profile)
+            report = explain(trainer, batch)
+        except JaxparError as error:
+            refused[spec] = str(error)
+            if progress:
+                progress(f"{spec}: refused ({str(error)[:100]})")
+            continue
+        budget = budget or budget_of(trainer)[0]
+        variant, entry = next(iter(report["variants"].items()))
+        if ratios is None:
+            ratios = _remat_ratios(trainer, batch, variant, remats)
+            remat_mesh = spec
+        compiled_total = entry["memory"]["total"] if entry["memory"] else 0
+        temps = entry["memory"]["temporaries"] if entry["memory"] else 0
+        sync_state = trainer.state_bytes_per_device()
+        compute = entry["projected_seconds"]["compute"]
+        comm = entry["projected_seconds"]["communication"]
+        exchange = _exchange_seconds(entry)
+        replicas = replica_count(mesh)
+        gradient = int(sum(p["bytes_per_device"] for p in report["plan"]["parameters"]))
+        for label, strategy, flags, how in strategies:
+            if how[0] == "allreduce":
+                if replicas <= 1:
+                    continue  # no replicas to average over: the same as sync
+                seconds = compute + comm - exchange + _allreduce_seconds(how[1], replicas, gradient, profile)
+            elif how[0] == "period":
+                if replicas <= 1:
+                    continue
+                seconds = how[1].project(compute + comm, compute + comm - exchange, how[2])[0]
+            else:
+                seconds = compute + comm
+            try:
+                state = (sync_state if how[0] != "period" else
+                         Trainer(model, loss_fn, optimizer, mesh, rules=rules, strategy=strategy)
+                         .state_bytes_per_device())
+            except JaxparError as error:
+                refused[f"{spec} {label}"] = str(error)
+                continue
+            for remat in remats:
+                temp_ratio, flops_ratio = ratios.get(remat, (1.0, 1.0))
+                memory = int(compiled_total - sync_state + state - temps + temps * temp_ratio)
+                step = seconds + compute * (flops_ratio - 1.0)
+                estimated = [] if (how[0] == "compiled" and remat == "none") else ["memory"]
+                if remat != "none":
+                    estimated.append(f"remat ratios from {remat_mesh}")
+                plans.append(Candidate(
+                    spec, label, f"--mesh {spec} {flags}" + (f" --remat {remat}" if remat != "none" else ""),
+                    remat, step, memory, memory <= budget,
+                    1.0 if how[0] != "period" else steps_ratio.get(label),
+                    {"compute": compute * flops_ratio, "communication": step - compute * flops_ratio,
+                     "exchange": exchange, "estimated": estimated}))
+        if progress:
+            progress(f"{spec}: compiled; sync {(compute + comm) * 1e3:.4g} ms per step projected")
+    ranked = _rank(plans)
+    return {"plans": ranked, "refused": refused, "budget": budget, "remat_mesh": remat_mesh,
+            "profile": profile.name, "devices": devices}
+
+
+def _score(c: Candidate) -> tuple:
+    """Fits first; then plans whose steps to target are known (sync's are: the same math), by time to target
+    (seconds per step x steps ratio), then the others by step time alone; ties: less memory."""
+    return (not c.fits, c.steps_ratio is None, c.seconds * (c.steps_ratio or 1.0), c.memory)
+
+
+def _rank(plans) -> list[Candidate]:
+    ranked = sorted(plans, key=_score)
+    if not ranked:
+        return []
+    best = ranked[0]
+    out = [best._replace(why="best")]
+    for c in ranked[1:]:
+        out.append(c._replace(why=_why(c, best)))
+    return out
+
+
+def _why(c: Candidate, best: Candidate) -> str:
+    if not c.fits:
+        return "does not fit a device's memory"
+    reasons = []
+    if c.parts["communication"] > best.parts["communication"] * 1.05:
+        reasons.append(f"communication {c.parts['communication'] * 1e3:.3g} ms vs {best.parts['communication'] * 1e3:.3g}")
+    if c.parts["compute"] > best.parts["compute"] * 1.05:
+        reasons.append(f"compute {c.parts['compute'] * 1e3:.3g} ms vs {best.parts['compute'] * 1e3:.3g} (recompute or "
+                       f"less parallel compute)")
+    if c.steps_ratio is None:
+        reasons.append("steps to target not known (a strategy that averages less often may need more steps)")
+    elif math.isinf(c.steps_ratio):
+        reasons.append("did not reach the target loss in the measured run")
+    elif c.steps_ratio > 1:
+        reasons.append(f"needs {c.steps_ratio:.2f}x the steps")
+    return "; ".join(reasons) or "slightly slower"
+
+
+def lines(result: dict, top: int = 5) -> list[str]:
+    """The text `run.py --plan` prints."""
+    plans = result["plans"]
+    out = [f"jaxpar plan: {len(plans)} plans on {result['devices']} devices of {result['profile']} (a projection from "
+           f"the cost model, not a measurement; memory budget {result['budget'] or 0:,} bytes per device)"]
+    if not plans:
+        out.append("no plan: every mesh was refused")
+    for rank, c in enumerate(plans[:top], 1):
+        ratio = ("" if c.steps_ratio in (None, 1.0) else
+                 f", x{c.steps_ratio:.2f} steps -> {c.seconds * c.steps_ratio * 1e3:.4g} ms per sync step")
+        estimated = f" (estimated: {', '.join(c.parts['estimated'])})" if c.parts["estimated"] else ""
+        out.append(f"{rank:>3}. {c.seconds * 1e3:10.4g} ms/step{ratio}  {c.memory:>14,} bytes/device{estimated}"
+                   f"{'' if c.fits else '  DOES NOT FIT'}")
+        out.append(f"     python run.py {c.flags}")
+    losers = plans[top:]
+    if losers:
+        out.append(f"and {len(losers)} more; why the next ones lose:")
+        for c in losers[:top]:
+            out.append(f"     {c.flags}: {c.seconds * 1e3:.4g} ms/step; {c.why}")
+    for spec, reason in result["refused"].items():
+        out.append(f"refused {spec}: {reason}")
+    return out
