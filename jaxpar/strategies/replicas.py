@@ -2,8 +2,9 @@
 
 Inside `per_replica(...)` (a `jax.shard_map` manual over the replica axis only) each replica runs its own copy of
 the code on its slice of the batch, while the within-replica axes (fsdp, model) stay with the compiler, so FSDP and
-tensor parallelism keep working unchanged. Per-replica copies of parameters live in arrays with a leading replica
-dimension sharded over the replica axis (and over fsdp / model inside, like the parameters).
+tensor parallelism keep working unchanged (with fsdp and model both larger than 1, the loss and gradient split
+the rows over fsdp by hand: `_replica_loss_and_grad`). Per-replica copies of parameters live in arrays with a
+leading replica dimension sharded over the replica axis (and over fsdp / model inside, like the parameters).
 
 `replica_step` is the body every explicit strategy shares (Sync with a hand-written allreduce, LocalSGD / DiLoCo,
 SSP / ASP): fold the replica index into the keys, loss and gradient on the replica's slice, average the gradient
