@@ -31,8 +31,8 @@ def test_explicit_strategies_do_sync_flops_per_device_on_an_fsdp_x_model_mesh():
         assert flops_per_device(strategy, variant) == pytest.approx(sync, rel=0.01), (strategy, variant)
 
 
-def train(strategy, steps=3, dropout=0.0):
-    trainer = trainer_for("transformer", MESH, strategy=strategy, dropout=dropout)
+def train(strategy, steps=3, dropout=0.0, grad_accum=1):
+    trainer = trainer_for("transformer", MESH, strategy=strategy, dropout=dropout, grad_accum=grad_accum)
     state, losses = trainer.init(0), []
     for step in range(steps):
         state, metrics = trainer.step(state, batch_for("transformer", size=16, seed=step))
@@ -40,12 +40,16 @@ def train(strategy, steps=3, dropout=0.0):
     return losses, jax.device_get(trainer.params(state))
 
 
-@pytest.mark.parametrize("strategy", [jaxpar.Sync("ring"), jaxpar.LocalSGD(period=1)], ids=["ring", "local_sgd_H1"])
-def test_the_transformer_trains_as_under_sync_with_rows_split_over_fsdp(strategy):
+@pytest.mark.parametrize("strategy, grad_accum", [(jaxpar.Sync("ring"), 1), (jaxpar.LocalSGD(period=1), 1),
+                                                  (jaxpar.Sync("psum"), 2), (jaxpar.Sync("psum"), 8)],
+                         ids=["ring", "local_sgd_H1", "accum2", "accum8_replicated_slice"])
+def test_the_transformer_trains_as_under_sync_with_rows_split_over_fsdp(strategy, grad_accum):
     """The transformer's embedding lookup, its gradient and the cross-entropy's gather are what crashed XLA's
-    partitioner with the rows split over fsdp by the compiler."""
+    partitioner with the rows split over fsdp by the compiler. With 2 microbatches each device accumulates over its
+    own rows (4 per device: 2 of them per microbatch); 8 microbatches do not divide a device's 4 rows, so the
+    replica's 8 rows stay replicated over its devices (the old formulation) and still train as under Sync()."""
     reference_losses, reference = train(jaxpar.Sync())
-    losses, params = train(strategy)
+    losses, params = train(strategy, grad_accum=grad_accum)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5), params, reference)
 
@@ -73,3 +77,22 @@ def test_every_device_of_a_replica_draws_its_own_dropout_masks():
     for i in range(4):
         for j in range(i + 4, 16, 4):
             assert not np.array_equal(kept[i], kept[j]), (i, j)
+
+
+def test_a_batchnorm_model_keeps_each_replicas_whole_slice_for_its_statistics():
+    """The CNN's BatchNorm statistics must be over the replica's slice, not over one fsdp device's share of it: on
+    data=2,fsdp=2,model=2 it trains exactly as on two devices (data=2 alone), the statistics included."""
+    def run(mesh):
+        trainer = trainer_for("cnn", mesh, strategy=jaxpar.Sync("psum"))
+        state, losses = trainer.init(0), []
+        for step in range(3):
+            state, metrics = trainer.step(state, batch_for("cnn", size=16, seed=step))
+            losses.append(float(metrics["loss"]))
+        stats = nnx.to_pure_dict(nnx.filter_state(state.model_state, nnx.BatchStat))
+        return losses, jax.device_get((trainer.params(state), stats))
+
+    reference_losses, reference = run("2x1")
+    losses, trained = run(MESH)
+    assert jax.tree.leaves(trained[1])  # (the model has BatchNorm statistics)
+    np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=2e-5, rtol=2e-5), trained, reference)
