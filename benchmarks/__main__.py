@@ -73,6 +73,9 @@ BENCHMARKS = [
     Benchmark("stages", "stages", [], ["--parts", "memory,bubble,speed", "--rounds", "2", "--steps", "3"],
               {True: 300, False: 1500}, "the pipelined transformer: equivalence (full mode), memory and bubble "
               "against M, stage=4 against data=4 steps/s"),
+    Benchmark("replica_compute", "replica_compute", [], None, {True: 0, False: 600},
+              "FLOPs, temporaries and collective bytes per device of the explicit strategies on "
+              "data=2,fsdp=2,model=2 against Sync() (full mode only; no training)"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
     Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},

@@ -318,6 +318,11 @@ REPLICA_ROWS = P(mesh_lib.REPLICA_AXIS)  # inside a replica-manual shard_map: th
 PER_REPLICA = P(mesh_lib.REPLICA_AXIS)  # a stack with one entry per replica (leading dimension over the replicas)
 
 
+def fsdp_rows(mesh) -> P:
+    """Inside a shard_map manual over fsdp: the rows of a replica's slice, a share per fsdp device."""
+    return P(mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS))
+
+
 def _is_sharding(x) -> bool:
     return isinstance(x, NamedSharding)
 

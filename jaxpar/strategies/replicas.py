@@ -2,8 +2,9 @@
 
 Inside `per_replica(...)` (a `jax.shard_map` manual over the replica axis only) each replica runs its own copy of
 the code on its slice of the batch, while the within-replica axes (fsdp, model) stay with the compiler, so FSDP and
-tensor parallelism keep working unchanged. Per-replica copies of parameters live in arrays with a leading replica
-dimension sharded over the replica axis (and over fsdp / model inside, like the parameters).
+tensor parallelism keep working unchanged (with fsdp and model both larger than 1, the loss and gradient split
+the rows over fsdp by hand: `_replica_loss_and_grad`). Per-replica copies of parameters live in arrays with a
+leading replica dimension sharded over the replica axis (and over fsdp / model inside, like the parameters).
 
 `replica_step` is the body every explicit strategy shares (Sync with a hand-written allreduce, LocalSGD / DiLoCo,
 SSP / ASP): fold the replica index into the keys, loss and gradient on the replica's slice, average the gradient
@@ -146,11 +147,10 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     (local SGD's local step): the gradient and BatchNorm statistics stay this replica's own; `mean_metrics=False`:
     so do the metrics (nothing at all crosses the replica axis).
     """
-    batch = _within_replica_batch(ctx, batch)
     index = replica_index()
     own_state = fold_rng_keys(model_state, index)
-    loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, params, own_state, batch,
-                                                    jax.random.fold_in(key, index), ctx.grad_accum)
+    loss, metrics, new_state, grads = _replica_loss_and_grad(ctx, params, own_state, batch,
+                                                             jax.random.fold_in(key, index))
     new_state = unfold_rng_keys(new_state, model_state)
     metrics = {"loss": loss, **metrics}
     if average and mean_metrics and ctx.communicator.native and not _single_replica():
@@ -200,16 +200,57 @@ def guard_finite(ctx, old, new, metrics):
     return _keep_or_flag(ctx, jnp.isfinite(metrics["loss"]) & finite_within(new), old, new, metrics)
 
 
-def _within_replica_batch(ctx, batch):
-    """The replica's slice, as its devices hold it.
+def _replica_loss_and_grad(ctx, params, model_state, batch, key):
+    """Loss, metrics, model state and gradients of the replica's slice, each of its devices computing its own share.
 
-    With both fsdp and model larger than 1, letting the compiler keep the slice's rows split over fsdp inside the
-    replica-manual shard_map crashes XLA's SPMD partitioner (jax 0.10.2: "Check failed: partition_group_list..."
-    in ExpandDeviceGroupsWithIota, for any model with a tensor-parallel embedding lookup). Replicating the slice
-    over the replica's devices avoids it: each fsdp device then computes the whole replica slice (parameters and
-    optimizer state stay sharded: the ZeRO-3 memory saving holds, the fsdp compute split does not). Sync() without
-    an explicit allreduce is not affected.
+    With both fsdp and model larger than 1, letting the compiler split the slice's rows over fsdp inside the
+    replica-manual shard_map crashes XLA's SPMD partitioner (jax 0.10.2, Shardy on: "Check failed:
+    partition_group_list..." in ExpandDeviceGroupsWithIota) at any gather or scatter whose batch dimension is split
+    over fsdp while another dimension is split over model or fsdp: a tensor-parallel embedding lookup, its gradient,
+    the cross-entropy's `take_along_axis` on vocabulary-split logits. So the rows are split over fsdp by hand: a
+    nested shard_map manual over fsdp (model stays with the compiler) takes the parameters whole over fsdp (ZeRO-3's
+    all-gather), runs the step body on this device's rows with the fsdp index folded into its keys (no two devices
+    draw the same dropout mask) and averages loss, metrics and gradients over fsdp.
+
+    Where that would change what the model computes, the slice is instead replicated over the replica's devices
+    (each fsdp device then does the whole slice's elementwise work; the partitioner still splits the matmuls over
+    the fsdp-sharded contracting dimension): a model with state other than its RNG state (BatchNorm statistics
+    must be the slice's, not a device's share), a pipeline (the stage axis has its own schedule).
     """
+    if not _rows_split_by_hand(ctx, model_state, batch):
+        return loss_and_grad(ctx.graphdef, ctx.loss_fn, params, model_state, _within_replica_batch(ctx, batch), key,
+                             ctx.grad_accum)
+    fsdp = mesh_lib.axis_name(ctx.mesh, mesh_lib.FSDP_AXIS)
+
+    def own_rows(params, model_state, batch, key):
+        index = lax.axis_index(fsdp)
+        loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, params,
+                                                        fold_rng_keys(model_state, index), batch,
+                                                        jax.random.fold_in(key, index), ctx.grad_accum)
+        loss, metrics, grads = lax.pmean((loss, metrics, grads), fsdp)
+        return loss, metrics, unfold_rng_keys(new_state, model_state), grads
+
+    same, rows = shd.REPLICATED, shd.fsdp_rows(ctx.mesh)
+    # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
+    return jax.shard_map(own_rows, in_specs=(same, same, rows, same), out_specs=same, axis_names={fsdp},
+                         check_vma=False)(params, model_state, batch, key)
+
+
+def _rows_split_by_hand(ctx, model_state, batch) -> bool:
+    """fsdp and model both larger than 1, no pipeline, each device's rows divisible into `grad_accum`
+    microbatches, and a model whose only state is its RNG state: a variable the model updates from its batch
+    (BatchNorm statistics, a user's EMA) must see the replica's whole slice."""
+    mesh = ctx.mesh
+    fsdp = mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)
+    only_rng_state = all(isinstance(v, nnx.RngState) for v in jax.tree.leaves(model_state, is_leaf=shd.is_variable))
+    rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+    return (fsdp > 1 and mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1 and mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) == 1
+            and only_rng_state and all(r % (fsdp * ctx.grad_accum) == 0 for r in rows))
+
+
+def _within_replica_batch(ctx, batch):
+    """The replica's slice, replicated over its devices where the compiler may not split its rows (see
+    `_replica_loss_and_grad`)."""
     if mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1 and mesh_lib.size(ctx.mesh, mesh_lib.TENSOR_AXIS) > 1:
         return shd.replicate_within(batch)
     return batch
