@@ -217,3 +217,7 @@ def test_published_scaling_efficiencies_are_reproduced_within_10_points_where_th
     vgg = rows["Serge", "VGG-16"]
     assert not vgg["within_10_points"] and vgg["projected"] == pytest.approx(0.966, abs=5e-4)
     assert "| NO |" in published.markdown(published.table())
+    case = [c for c in published.cases() if c.model == "VGG-16"][0]
+    assert round(published.images_per_second_to_reach(case, 0.68)) == 201  # what the missing input would need
+    assert round(published.images_per_second_to_reach(case, 0.68, overlap=False)) == 83
+    assert published.efficiency(case) == pytest.approx(vgg["projected"])

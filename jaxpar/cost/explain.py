@@ -124,7 +124,8 @@ def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
         t = theoretical_traffic(algorithm, n, grad, torus_x)
         grid = topology.torus_note(strategy, mesh, trainer.hardware)
         line = {"axis": DATA, "what": f"{expected.what} averaged over {n} replicas ({_ALGORITHM_LABELS[algorithm]}; "
-                f"B = {grad:,} bytes{'; ' + grid if grid else ''})", "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
+                f"B = {grad:,} bytes{'; ' + grid if grid else ''})",
+                "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
         if expected.kind == "ps":
             line["bytes_sent_per_device"] = (n - 1) * grad  # the root's traffic, the bottleneck
         if expected.share < 1:
@@ -303,6 +304,10 @@ def _fmt_bytes(n) -> str:
     return f"{n:,.0f}"
 
 
+_OVERLAP_NOTE = {True: "the gradient all-reduce overlapping the backward pass (overlap)",
+                 False: "no overlap of compute and communication"}
+
+
 def format_explain(report: dict) -> str:
     """The human-readable text of an `explain` report."""
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
@@ -368,7 +373,7 @@ def format_explain(report: dict) -> str:
     if "projection" in report:
         lines += ["", f"PROJECTED mean step time per strategy on {report['hardware']['describe']} (a projection "
                   f"from the alpha-beta cost model, not a measurement; "
-                  f"{'the gradient all-reduce overlapping the backward pass' if report['hardware']['overlap'] else 'no overlap of compute and communication'}):"]
+                  f"{_OVERLAP_NOTE[report['hardware']['overlap']]}):"]
         for name, p in report["projection"].items():
             lines.append(f"  {name:<10} {p['seconds'] * 1e3:10.4g} ms   ({p['how']})")
         lines.append(f"  profile numbers: {report['hardware']['source']}")

@@ -115,7 +115,8 @@ class Trainer:
         self.pipeline = check_pipeline(pipeline)
         self.hardware = parse_hardware(hardware)
         # a torus2d grid follows the profile's nodes unless its X is given (jaxpar.cost.topology)
-        self.mesh, self.strategy, self.skip_nonfinite = mesh, aligned(strategy or Sync(), mesh, self.hardware), skip_nonfinite
+        self.mesh, self.skip_nonfinite = mesh, skip_nonfinite
+        self.strategy = aligned(strategy or Sync(), mesh, self.hardware)
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
         self.batch_axis_names = check_axis_names(batch_axis_names, mesh.axis_names)
