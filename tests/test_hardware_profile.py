@@ -175,6 +175,11 @@ def test_a_profile_round_trips_through_json_and_loads_with_overrides(tmp_path):
      "devices_per_node and inter_node go together"),
     ('{"name": "x", "flops": -1, "links": {"data": {"alpha": 0, "bandwidth": 1e9}}}', "flops must be a finite"),
     ('{"name": "x", "flops": 1e12, "links": {}, "speed": 3}', "unknown field(s) speed"),
+    ('[1, 2]', "expected a JSON object, got list"),
+    ('{"name": "x", "flops": 1e12, "links": {"rows": {"alpha": 0, "bandwidth": 1e9}}}', "'links' must map mesh axes"),
+    ('{"name": "x", "flops": 1e12, "links": {"data": {"alpha": 0}}}', "links.data must be {"),
+    ('{"name": "x", "flops": 1e12, "links": {"data": {"alpha": 0, "bandwidth": 1e9}}, "overlap": "yes"}',
+     "overlap must be true or false"),
 ])
 def test_a_bad_profile_file_is_one_line_naming_the_flag(tmp_path, capsys, content, why):
     path = tmp_path / "profile.json"
@@ -194,6 +199,9 @@ def test_a_bad_profile_file_is_one_line_naming_the_flag(tmp_path, capsys, conten
     ("a100-nvlink,devices_per_node=2.5", "devices_per_node must be a whole number"),
     ("a100-nvlink,devices_per_node=4", "devices_per_node and inter_node go together"),
     ("a100-nvlink,inter.alpha=1e-5", "needs both inter.alpha= and inter.bandwidth="),
+    ("a100-nvlink,nics=0", "the value must be a finite number > 0"),
+    ("a100-nvlink,wire=int8", "wire must be one of float32, bfloat16, float16"),
+    ("a100-nvlink,bucket=-1", "the value must be a finite number > 0"),
 ])
 def test_bad_node_items_are_refused(spec, why):
     with pytest.raises(OptionError, match="hardware=") as error:

@@ -71,10 +71,11 @@ class Profile:
             parts.append(f"{self.sustained / 1e12:g} sustained")
         if self.memory:
             parts.append(f"{self.memory / 1e9:g} GB of memory per device")
+        inside = " inside a node" if self.devices_per_node else ""
         for axis in mesh_lib.AXES:
             if axis in self.links:
                 x = self.links[axis]
-                parts.append(f"{axis}: alpha {x.alpha * 1e6:g} us, {x.bandwidth / 1e9:g} GB/s")
+                parts.append(f"{axis}{inside}: alpha {x.alpha * 1e6:g} us, {x.bandwidth / 1e9:g} GB/s")
         if self.devices_per_node and self.inter_node:
             x = self.inter_node
             parts.append(f"{self.devices_per_node} devices per node sharing {self.nics_per_node} NIC(s) of alpha "
