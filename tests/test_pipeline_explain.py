@@ -193,7 +193,8 @@ def test_the_cost_model_prices_every_tick(name):
     assert runs == (CASES[name][2] * 2)  # 2 permutes per tick (1F1B) or one per tick of 2 loops
     tick_seconds = sum(collective_seconds(op, trainer.hardware) for op in ticks)
     assert tick_seconds == pytest.approx(runs * (link.alpha + A / link.bandwidth))
-    assert cost.compute == pytest.approx(loop_flops(compiled, step_flops(compiled)).per_device / trainer.hardware.flops)
+    sustained = trainer.hardware.compute_flops  # compute is priced at the sustained FLOP/s
+    assert cost.compute == pytest.approx(loop_flops(compiled, step_flops(compiled)).per_device / sustained)
     assert report["variants"]["sync"]["projected_seconds"]["communication"] == pytest.approx(cost.comm)
 
 

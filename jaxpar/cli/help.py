@@ -21,7 +21,9 @@ MORE = {  # what --help adds to a declaration's one line
     "repeats": "R > 1 needs --microbatches >= stages",
     "stragglers": "'3:2.0' = replica 3 is 2x slower; add ',jitter=0.1' for seeded log-normal jitter",
     "hardware": "or 'flops=FLOP/s,alpha=s,bandwidth=B/s' (per axis: data.alpha=..., model.bandwidth=...), or a profile "
-                "followed by such overrides; also the peak of flops_utilization",
+                "name or PATH.json followed by such overrides (sustained=, devices_per_node=, inter.alpha=, "
+                "inter.bandwidth=, nics=, allreduce=ring|hierarchical, overlap=0|1, bucket=, wire=float32|bfloat16|"
+                "float16); also the peak of flops_utilization",
     "batch_ramp": "replaces --batch-size; one compilation per size; lr follows --lr-scaling",
     "tensorboard": "tensorboardX; view with tensorboard --logdir FOLDER",
     "profile": "viewable in TensorBoard's profile plugin or ui.perfetto.dev; each step marked jaxpar_step",

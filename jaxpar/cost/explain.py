@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpar.cost import fit as fitting
-from jaxpar.cost import pipelines
+from jaxpar.cost import pipelines, topology
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.names import named_leaves
@@ -122,8 +122,10 @@ def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
     for expected in (strategy.theory(trainer.ctx, variant, _gradient_bytes(trainer)) if n > 1 else []):
         grad = expected.bytes
         t = theoretical_traffic(algorithm, n, grad, torus_x)
+        grid = topology.torus_note(strategy, mesh, trainer.hardware)
         line = {"axis": DATA, "what": f"{expected.what} averaged over {n} replicas ({_ALGORITHM_LABELS[algorithm]}; "
-                f"B = {grad:,} bytes)", "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
+                f"B = {grad:,} bytes{'; ' + grid if grid else ''})",
+                "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
         if expected.kind == "ps":
             line["bytes_sent_per_device"] = (n - 1) * grad  # the root's traffic, the bottleneck
         if expected.share < 1:
@@ -232,7 +234,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dic
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_plan(trainer), "variants": {},
            "hardware": None if profile is None else {"name": profile.name, "describe": profile.describe(),
-                                                     "source": profile.source}}
+                                                     "source": profile.source, "overlap": profile.overlap}}
     parameters = sum(math.prod(p["shape"]) for p in out["plan"]["parameters"])
     tokens = _tokens(batch)
     out["parameters"] = parameters
@@ -256,7 +258,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dic
             trainer._price(variant, compiled)
             cost = trainer.step_costs[variant]
             entry["projected_seconds"] = {"compute": cost.compute, "communication": cost.comm,
-                                          "step": cost.compute + cost.comm}
+                                          "overlap": cost.overlap, "step": cost.compute + cost.exposed}
         out["variants"][variant] = entry
     if profile is not None:
         out["projection"] = project(out["variants"], trainer)
@@ -289,7 +291,8 @@ def project(variants: dict, trainer) -> dict:
     over_data, _ = _exchange_seconds(full_entry)
     full = full_entry["projected_seconds"]["step"]
     quiet = [name for name in variants if not own.theory(ctx, name, 0)]
-    local = variants[quiet[0]]["projected_seconds"]["step"] if quiet else full - over_data
+    hidden = full_entry["projected_seconds"].get("overlap", 0.0)  # only the exchange over data was hidden
+    local = variants[quiet[0]]["projected_seconds"]["step"] if quiet else full - over_data + hidden
     for name, cls in REGISTRY.items():
         if name != own.name:
             seconds, how = cls.project(full, local, own.period)
@@ -299,6 +302,10 @@ def project(variants: dict, trainer) -> dict:
 
 def _fmt_bytes(n) -> str:
     return f"{n:,.0f}"
+
+
+_OVERLAP_NOTE = {True: "the gradient all-reduce overlapping the backward pass (overlap)",
+                 False: "no overlap of compute and communication"}
 
 
 def format_explain(report: dict) -> str:
@@ -360,11 +367,13 @@ def format_explain(report: dict) -> str:
             lines += pipelines.lines(v["pipeline"])
         if "projected_seconds" in v:
             p = v["projected_seconds"]
+            hidden = f" - overlap {p['overlap'] * 1e3:.4g} ms" if p.get("overlap") else ""
             lines.append(f"  PROJECTED on {report['hardware']['name']}: compute {p['compute'] * 1e3:.4g} ms + "
-                         f"communication {p['communication'] * 1e3:.4g} ms = {p['step'] * 1e3:.4g} ms per step")
+                         f"communication {p['communication'] * 1e3:.4g} ms{hidden} = {p['step'] * 1e3:.4g} ms per step")
     if "projection" in report:
         lines += ["", f"PROJECTED mean step time per strategy on {report['hardware']['describe']} (a projection "
-                  f"from the alpha-beta cost model, not a measurement; no overlap of compute and communication):"]
+                  f"from the alpha-beta cost model, not a measurement; "
+                  f"{_OVERLAP_NOTE[report['hardware']['overlap']]}):"]
         for name, p in report["projection"].items():
             lines.append(f"  {name:<10} {p['seconds'] * 1e3:10.4g} ms   ({p['how']})")
         lines.append(f"  profile numbers: {report['hardware']['source']}")

@@ -63,6 +63,7 @@ class Collective(NamedTuple):
     runs: int = 1  # times it runs per step: the product of the known trip counts of the while loops enclosing it
     loops: tuple = ()  # those while loops, outermost first: ((while instruction name, trip count or None), ...)
     op_name: str = ""  # the JAX operation it came from (HLO metadata), e.g. "jit(step)/shard_map/while/body/ppermute"
+    groups: tuple = ()  # a group collective's device groups (device ids), read with a mesh: which node each is on
 
 
 class Program(NamedTuple):
@@ -246,24 +247,24 @@ def spanned_axes(groups, mesh) -> tuple:
     return tuple(a for i, a in enumerate(mesh.axis_names) if any(len(set(c[i].tolist())) > 1 for c in coords))
 
 
-def _located(kind: str, tail: str, mesh) -> tuple[int, tuple | None, tuple]:
-    """(group size, axes, pairs) of one collective's attributes."""
+def _located(kind: str, tail: str, mesh) -> tuple[int, tuple | None, tuple, tuple]:
+    """(group size, axes, pairs, groups) of one collective's attributes."""
     if kind == "collective-permute":
         found = _PAIRS.search(tail)
         pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", found.group(1))) if found else ()
-        return 2, (spanned_axes([list(p) for p in pairs], mesh) if mesh is not None else None), pairs
+        return 2, (spanned_axes([list(p) for p in pairs], mesh) if mesh is not None else None), pairs, ()
     found = _GROUPS.search(tail)
     if found is None and "replica_groups" in tail:
-        return 1, None, ()
+        return 1, None, (), ()
     size = mesh.size if mesh is not None else 1
     try:
         groups = replica_groups(found.group(1) if found else "{}", size)
     except (ValueError, AttributeError):
-        return 1, None, ()
+        return 1, None, (), ()
     group = max((len(g) for g in groups), default=1)
     if mesh is None:
-        return group, None, ()
-    return group, spanned_axes(groups, mesh), ()
+        return group, None, (), ()
+    return group, spanned_axes(groups, mesh), (), tuple(tuple(int(d) for d in g) for g in groups)
 
 
 def collective_ops(compiled_or_hlo_text, mesh=None) -> list[Collective]:
@@ -296,9 +297,9 @@ def collective_ops(compiled_or_hlo_text, mesh=None) -> list[Collective]:
                 if start and start.group(1) in starts:
                     ops[starts.pop(start.group(1))].update(bytes=shape_bytes(shape), arrays=_arrays(shape))
                 continue
-            group, axes, pairs = _located(base, tail, mesh)
+            group, axes, pairs, groups = _located(base, tail, mesh)
             name = _OP_NAME.search(tail)
-            entry = dict(kind=base, bytes=shape_bytes(shape), group=group, axes=axes, pairs=pairs,
+            entry = dict(kind=base, bytes=shape_bytes(shape), group=group, axes=axes, pairs=pairs, groups=groups,
                          arrays=_arrays(shape), runs=program.runs[computation], loops=program.loops[computation],
                          op_name=name.group(1) if name else "")
             if opcode.endswith("-start"):

@@ -216,7 +216,7 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
         clock, marks = at, []
         for s, variant in enumerate(variants):
             step_cost = cost(variant)
-            clock += rows.factor(done[i], i) * step_cost.compute + (step_cost.comm if s < len(variants) - 1 else 0.0)
+            clock += rows.factor(done[i], i) * step_cost.compute + (step_cost.exposed if s < len(variants) - 1 else 0.0)
             done[i] += 1
             marks.append(clock)
         start[i], partial[i], finish[i], computing[i], read[i] = at, marks, clock, True, version
@@ -237,7 +237,7 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
         everyone = np.ones(num_replicas, bool)
         for s in range(steps - 1):  # a round's local steps: no common clock, the mean of the replicas' clocks
             yield Update(everyone, np.zeros(num_replicas, np.int64), float(np.mean([partial[i][s] for i in replicas])))
-        comm = cost(rounds(version)[-1]).comm
+        comm = cost(rounds(version)[-1]).exposed
         participants = np.zeros(num_replicas, bool)
         staleness = np.zeros(num_replicas, np.int64)
         participants[pending] = True

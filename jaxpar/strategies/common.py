@@ -124,7 +124,7 @@ class Clock:
             n = len(times)
             cost = self.cost(self.rounds(n)[-1])
             advance = schedule[n].sim_time - (schedule[n - 1].sim_time if n else 0.0)
-            times.append((times[-1] if n else 0.0) + cost.compute * advance + cost.comm)
+            times.append((times[-1] if n else 0.0) + cost.compute * advance + cost.exposed)
         return times[step_number]
 
     def time_after(self, num_replicas: int, step_number: int) -> float:

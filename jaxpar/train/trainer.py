@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.checks import check_int
 from jaxpar.cost.hardware import compiled_cost, parse_hardware
+from jaxpar.cost.topology import aligned
 from jaxpar.errors import ConfigError, ModelCallError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
@@ -113,7 +114,9 @@ class Trainer:
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.pipeline = check_pipeline(pipeline)
         self.hardware = parse_hardware(hardware)
-        self.mesh, self.strategy, self.skip_nonfinite = mesh, strategy or Sync(), skip_nonfinite
+        # a torus2d grid follows the profile's nodes unless its X is given (jaxpar.cost.topology)
+        self.mesh, self.skip_nonfinite = mesh, skip_nonfinite
+        self.strategy = aligned(strategy or Sync(), mesh, self.hardware)
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
         self.batch_axis_names = check_axis_names(batch_axis_names, mesh.axis_names)
@@ -369,7 +372,8 @@ class Trainer:
 
     def _price(self, variant: str, compiled) -> None:
         if self.hardware is not None:
-            self.step_costs[variant] = compiled_cost(compiled, self.mesh, self.hardware)
+            gradients = any(e.what == "gradients" for e in self.strategy.theory(self.ctx, variant, 0))
+            self.step_costs[variant] = compiled_cost(compiled, self.mesh, self.hardware, gradients)
 
     def compiled_step(self, variant: str, batch=None, inputs=None, remat=_OWN):
         """The compiled step `variant` for a global `batch` (arrays or `jax.ShapeDtypeStruct`s; default: the latest
