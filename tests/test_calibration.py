@@ -80,6 +80,9 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "model": 4}
     assert os.listdir(tmp_path) == ["machine.json"]
     assert f"use it with run.py --hardware {out}" in capsys.readouterr().err
+    loaded = jaxpar.parse_hardware(str(out))  # what --hardware FILE reads
+    assert loaded.sustained == profile["flops"] and loaded.links["model"].bandwidth == profile["links"]["model"]["bandwidth"]
+    assert loaded.devices_per_node is None  # one process: no nodes
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -111,4 +114,22 @@ def test_across_two_processes_the_axis_between_them_is_told_apart(tmp_path):
     axes = json.loads(out.read_text())["calibration"]["axes"]
     assert axes["data"]["crosses_processes"] is True  # data is the outer axis: one half on each process
     assert axes["model"]["crosses_processes"] is False
-    assert json.loads(out.read_text())["calibration"]["processes"] == 2
+    profile = json.loads(out.read_text())
+    assert profile["calibration"]["processes"] == 2
+    # a process is a node: the link between them is inter_node, the model axis's is the one inside
+    assert profile["devices_per_node"] == 4 and profile["inter_node"] == {
+        k: axes["data"]["all-reduce"][k] for k in ("alpha", "bandwidth")}
+    assert profile["links"]["data"] == profile["links"]["model"] == {
+        k: axes["model"]["all-reduce"][k] for k in ("alpha", "bandwidth")}
+    assert jaxpar.parse_hardware(str(out)).inter_node.bandwidth == profile["inter_node"]["bandwidth"]
+
+
+def test_the_launch_time_is_measured_and_every_step_pays_it():
+    from jaxpar.cost.hardware import step_cost
+
+    assert 0 < cal.launch_seconds(MESH, repeats=3) < 1.0
+    flat = Profile("p", 1e9, {None: Link(0.0, 1e9)})
+    launched = Profile("p", 1e9, {None: Link(0.0, 1e9)}, launch=1e-3)
+    assert step_cost(2e9, [], flat).compute == 2.0
+    assert step_cost(2e9, [], launched).compute == 2.001
+    assert jaxpar.parse_hardware("a100-nvlink,launch=2e-5").launch == 2e-5

@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxpar.cost.profile_json import MEASUREMENTS
 from jaxpar.errors import ConfigError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
@@ -197,6 +198,23 @@ def matmul(mesh, sizes=MATMUL_SIZES, trips: int = 8, repeats: int = 3, progress=
     return {"per_size": measured, "flops": statistics.median(measured.values())}
 
 
+def launch_seconds(mesh, repeats: int = 30) -> float:
+    """Seconds to start a program on every device of the mesh and see it end: the fastest of `repeats` calls of a
+    one-element add per device (each call waited for), what every step pays whatever its size."""
+    import jax
+    import jax.numpy as jnp
+
+    x, spec = _per_device(mesh, (1,), jnp.float32)
+    fn = jax.jit(jax.shard_map(lambda y: y + 1, mesh=mesh, in_specs=spec, out_specs=spec))
+    x = jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        x = jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
 def crosses_processes(mesh, axis: str) -> bool:
     """Whether some group of devices along `axis` holds devices of more than one process."""
     devices = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), -1)
@@ -223,20 +241,31 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
                           f"measured; use a mesh over 2 or more devices (e.g. --mesh {len(jax.devices())})")
     compute = {"flops": flops, "per_size": {}} if flops is not None else matmul(mesh, matmul_sizes, trips, repeats,
                                                                                progress)
+    launch = 0.0 if flops is not None else launch_seconds(mesh)
+    if progress:
+        progress(f"launching a program on {mesh.size} devices: {launch * 1e6:,.1f} us")
     axes = {}
     for axis in measured_axes:
         axes[axis] = calibrate_axis(mesh, axis, kinds, sizes, trips, repeats, measure, progress)
         axes[axis]["crosses_processes"] = crosses_processes(mesh, axis)
         axes[axis]["group"] = mesh.shape[axis]
     link_kind = PROFILE_KIND if PROFILE_KIND in kinds else kinds[0]
-    links = {a: {"alpha": axes[a][link_kind]["alpha"], "bandwidth": axes[a][link_kind]["bandwidth"]}
-             for a in measured_axes}
-    slowest = min(measured_axes, key=lambda a: links[a]["bandwidth"])
-    unmeasured = [a for a in mesh_lib.AXES if mesh_lib.axis_name(mesh, a) not in links]
+    fitted = {a: {"alpha": axes[a][link_kind]["alpha"], "bandwidth": axes[a][link_kind]["bandwidth"]}
+              for a in measured_axes}
+    inside = [a for a in measured_axes if not axes[a]["crosses_processes"]] or measured_axes
+    across = [a for a in measured_axes if axes[a]["crosses_processes"]]
+    slowest = min(inside, key=lambda a: fitted[a]["bandwidth"])
     roles = {mesh_lib.axis_name(mesh, a): a for a in mesh_lib.AXES}
-    links = {roles.get(a, a): link for a, link in links.items()}
+    # with nodes (processes), an axis's link is the one inside a node; the link between them is `inter_node`
+    links = {roles.get(a, a): fitted[a if a in inside else slowest] for a in measured_axes}
+    unmeasured = [role for role in mesh_lib.AXES if role not in links]
     for role in unmeasured:
-        links[role] = dict(links[roles.get(slowest, slowest)])
+        links[role] = dict(fitted[slowest])
+    nodes = {}
+    if across and jax.process_count() > 1:
+        between = min(across, key=lambda a: fitted[a]["bandwidth"])
+        nodes = {"devices_per_node": len(jax.local_devices()), "inter_node": dict(fitted[between]),
+                 "nics_per_node": 1}
     worst = max(axes[a][k]["fit"]["worst_relative_error"] for a in axes for k in axes[a] if k in kinds)
     source = (f"measured by python -m jaxpar.calibrate on {platform.node() or 'this machine'} "
               f"({jax.devices()[0].platform}, {mesh.size} devices in {jax.process_count()} process(es), mesh "
@@ -245,17 +274,22 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
               f"(worst residual of any fit {worst:.0%})")
     if unmeasured:
         source += f"; {', '.join(unmeasured)} not in the mesh: given {slowest}'s link"
-    return {"name": "calibrated", "flops": float(compute["flops"]), "memory": float(device_memory(mesh)),
-            "links": links, "source": source,
-            "calibration": {"mesh": dict(mesh.shape), "processes": jax.process_count(), "kinds": list(kinds),
+    if nodes:
+        source += (f"; a process is a node of {nodes['devices_per_node']} devices, the link between processes "
+                   f"from {between}'s fit")
+    # peak = sustained: a CPU has no datasheet peak to quote; what a device sustains is what was measured
+    return {"name": "calibrated", "flops": float(compute["flops"]), "sustained": float(compute["flops"]),
+            "memory": float(device_memory(mesh)), "launch": launch, "links": links, **nodes, "source": source,
+            MEASUREMENTS: {"mesh": dict(mesh.shape), "processes": jax.process_count(), "kinds": list(kinds),
                             "matmul": compute["per_size"], "axes": axes}}
 
 
 def summary(profile: dict) -> list[str]:
     """The human-readable lines of a calibration: FLOP/s, then per axis and kind alpha, bandwidth and fit error."""
-    c = profile["calibration"]
+    c = profile[MEASUREMENTS]
     out = [f"sustained matmul: {profile['flops'] / 1e9:,.2f} GFLOP/s per device (median of "
-           f"{', '.join(f'{n}: {f / 1e9:,.2f}' for n, f in c['matmul'].items()) or 'given'})"]
+           f"{', '.join(f'{n}: {f / 1e9:,.2f}' for n, f in c['matmul'].items()) or 'given'}); launching a step "
+           f"{profile['launch'] * 1e6:,.1f} us"]
     for axis, kinds in c["axes"].items():
         where = "between processes" if kinds["crosses_processes"] else "within a process"
         out.append(f"{axis} (groups of {kinds['group']}, {where}):")

@@ -54,6 +54,7 @@ class Profile:
     overlap: bool = False  # the gradient all-reduce overlaps the backward pass (False: the no-overlap bound)
     bucket: float = DEFAULT_BUCKET  # bytes on the wire of the last gradient bucket, the tail that cannot overlap
     wire: str = "float32"  # dtype of gradients on the wire (pricing.WIRE_BYTES)
+    launch: float = 0.0  # seconds every step pays to start its program on the devices (calibrated; 0: not priced)
 
     @property
     def compute_flops(self) -> float:
@@ -71,6 +72,8 @@ class Profile:
             parts.append(f"{self.sustained / 1e12:g} sustained")
         if self.memory:
             parts.append(f"{self.memory / 1e9:g} GB of memory per device")
+        if self.launch:
+            parts.append(f"{self.launch * 1e6:g} us to launch a step")
         inside = " inside a node" if self.devices_per_node else ""
         for axis in mesh_lib.AXES:
             if axis in self.links:
@@ -138,7 +141,7 @@ _ITEMS = {"flops": "peak FLOP/s", "sustained": "sustained FLOP/s", "memory": "by
           "alpha": "seconds", "bandwidth": "bytes/s", "devices_per_node": "N", "nics": "NICs per node",
           "inter.alpha": "seconds between nodes", "inter.bandwidth": "bytes/s per NIC",
           "allreduce": "|".join(NATIVE_ALLREDUCES), "overlap": "0|1", "bucket": "bytes",
-          "wire": "|".join(pricing.WIRE_BYTES)}
+          "wire": "|".join(pricing.WIRE_BYTES), "launch": "seconds"}
 _HELP = (f"expected a profile name ({', '.join(PROFILES)}) or a JSON file (PATH.json) and/or comma-separated "
          f"key=value items: {', '.join(f'{k}={v}' for k, v in _ITEMS.items())}, or per axis AXIS.alpha / "
          f"AXIS.bandwidth, e.g. 'flops=100e12,alpha=1e-5,bandwidth=12.5e9' or 'a100-nvlink,data.bandwidth=1.25e9'")
@@ -194,10 +197,10 @@ def parse_hardware(spec) -> Profile | None:
             number = float(value)
         except ValueError:
             raise bad(f"cannot read {item!r}; {_HELP}") from None
-        if not math.isfinite(number) or number < 0 or (number == 0 and not key.endswith("alpha")):
-            raise bad(f"{item!r}: the value must be a finite number > 0 (alpha may be 0); {_HELP}")
+        if not math.isfinite(number) or number < 0 or (number == 0 and not key.endswith(("alpha", "launch"))):
+            raise bad(f"{item!r}: the value must be a finite number > 0 (alpha and launch may be 0); {_HELP}")
         axis, dot, what = key.rpartition(".")
-        if key in ("flops", "sustained", "memory", "bucket"):
+        if key in ("flops", "sustained", "memory", "bucket", "launch"):
             fields[key] = number
         elif key in ("devices_per_node", "nics"):
             if number != int(number) or number < 1:
@@ -298,6 +301,6 @@ def step_cost(flops_per_device: float | None, collectives, profile: Profile, gra
     if not flops_per_device:
         raise OptionError("hardware", profile.name, "this backend gives no FLOP count for the compiled step (XLA "
                           "cost analysis), so the cost model cannot price it; run without --hardware")
-    compute = flops_per_device / profile.compute_flops
+    compute = flops_per_device / profile.compute_flops + profile.launch
     comm = sum(collective_seconds(op, profile) for op in collectives)
     return StepCost(compute, comm, overlapped(compute, collectives, profile) if gradients else 0.0)

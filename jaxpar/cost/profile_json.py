@@ -16,6 +16,7 @@ from jaxpar.cost import pricing
 from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
 
+MEASUREMENTS = "calibration"  # the field where python -m jaxpar.calibrate keeps its sweeps and fits
 NATIVE_ALLREDUCES = ("ring", "hierarchical")  # how the compiler's all-reduce runs over nodes (jaxpar.cost.pricing)
 
 
@@ -25,6 +26,7 @@ def profile_from_dict(data: dict):
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     known = {f for f in Profile.__dataclass_fields__}
+    data = {k: v for k, v in data.items() if k != MEASUREMENTS}  # a calibration's record: read by people, not priced
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(unknown)}; the fields are {', '.join(sorted(known))}")
@@ -75,6 +77,7 @@ def check_profile(profile):
     if not isinstance(profile.overlap, bool):
         raise ValueError(f"overlap must be true or false, got {profile.overlap!r}")
     positive(profile.bucket, "bucket")
+    positive(profile.launch, "launch", zero=True)
     return profile
 
 

@@ -1,0 +1,199 @@
+"""The cost model against this machine: projected step time (from a calibrated profile) against the measured
+steady-state step time, for meshes x strategies x models; and the plan advisor's ranking against measured times.
+
+    python -m jaxpar.calibrate --out /tmp/machine.json          # first: this machine's profile
+    python -m benchmarks.costmodel --hardware /tmp/machine.json  # --parts machine,advisor
+
+`machine`: each configuration builds a Trainer with the profile, reads `jaxpar.explain`'s projected mean step time
+of its strategy (the same model `sim_time` uses), then times --steps steady-state steps after 3 warm-up steps (at
+most two in flight, as `fit` runs them; the median of --rounds rounds). Prints projected, measured and the
+relative error (projected / measured - 1) per configuration, and the median and worst absolute error.
+
+`advisor`: `jaxpar.plan` ranks every plan for the MLP on 8 devices with the same profile; the benchmark measures
+the step time of --plans of them (the sync family and local SGD, spread over the ranking) the same way, and reports
+Spearman's rank correlation between projected and measured step times, and how far the advisor's first choice is
+from the measured best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jaxpar
+from benchmarks import common
+
+# (model, model fields, mesh, strategy factory name, options): the issue's meshes x strategies x two model sizes
+TRANSFORMER_SMALL = {"layers": 2, "d_model": 128}
+TRANSFORMER_LARGE = {"layers": 4, "d_model": 256, "heads": 8, "d_ff": 1024}
+CONFIGS = [
+    ("mlp", {}, "8", "sync", {}),
+    ("mlp", {}, "8", "sync", {"allreduce": "ring"}),
+    ("mlp", {}, "8", "sync", {"allreduce": "torus2d"}),
+    ("mlp", {}, "8", "sync", {"allreduce": "ps"}),
+    ("mlp", {}, "8", "local_sgd", {"period": 4}),
+    ("mlp", {}, "2x4", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "8", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "2x4", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "1x8", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "fsdp=8", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "data=2,fsdp=2,model=2", "sync", {}),
+    ("transformer", TRANSFORMER_SMALL, "8", "local_sgd", {"period": 4}),
+    ("transformer", TRANSFORMER_LARGE, "2x4", "sync", {}),
+    ("transformer", TRANSFORMER_LARGE, "8", "sync", {"allreduce": "ring"}),
+    ("transformer", TRANSFORMER_LARGE, "fsdp=8", "sync", {}),
+    ("transformer", TRANSFORMER_LARGE, "data=2,fsdp=2,model=2", "sync", {}),
+]
+QUICK = [0, 3, 5, 7, 9, 12]
+
+
+def strategy_of(name: str, options: dict):
+    from jaxpar.strategies import REGISTRY
+
+    return REGISTRY[name](**options)
+
+
+def label(model, fields, mesh, strategy, options) -> str:
+    size = "" if model == "mlp" else ("-large" if fields is TRANSFORMER_LARGE else "-small")
+    extra = "".join(f" {k}={v}" for k, v in options.items())
+    return f"{model}{size} --mesh {mesh} {strategy}{extra}"
+
+
+def measured_step_seconds(trainer, batch, steps: int, rounds: int) -> float:
+    state = trainer.init(0)
+    placed = trainer.shard_batch(batch)
+
+    def one():
+        nonlocal state
+        state, metrics = trainer.step(state, placed)
+        return metrics
+
+    period = getattr(trainer.strategy, "period", 1)
+    common.run_steps(one, 3 + period)  # compile and warm up every variant (a meeting comes every period)
+    steps = -(-steps // period) * period  # whole periods: the mean over local steps and meetings
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        common.run_steps(one, steps)
+        times.append((time.perf_counter() - started) / steps)
+    return statistics.median(times)
+
+
+def projected_step_seconds(trainer, batch) -> float:
+    report = jaxpar.explain(trainer, batch)
+    return report["projection"][trainer.strategy.name]["seconds"]
+
+
+def machine(args, profile) -> list[dict]:
+    import optax
+
+    rows = []
+    chosen = [CONFIGS[i] for i in QUICK] if args.quick else CONFIGS
+    for model, fields, mesh_spec, strategy, options in chosen:
+        parts = common.setup(model, dropout=0.0, batch_size=args.batch_size, **fields)
+        mesh = jaxpar.make_mesh(mesh_spec)
+        trainer = jaxpar.Trainer(parts.factory, parts.loss_fn, optax.adamw(1e-3), mesh,
+                                 strategy=strategy_of(strategy, options), hardware=profile)
+        projected = projected_step_seconds(trainer, parts.batch)
+        measured = measured_step_seconds(trainer, parts.batch, args.steps, args.rounds)
+        row = {"config": label(model, fields, mesh_spec, strategy, options), "projected_s": projected,
+               "measured_s": measured, "error": projected / measured - 1}
+        rows.append(row)
+        print(f"{row['config']:<58} projected {projected * 1e3:9.3f} ms  measured {measured * 1e3:9.3f} ms  "
+              f"error {row['error']:+.0%}", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    print(f"median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%} over {len(rows)} configurations")
+    return rows
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation (no ties expected; ties get their order of appearance)."""
+    import numpy as np
+
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def advisor(args, profile) -> dict:
+    import optax
+
+    from jaxpar.cost.plan import plan
+
+    parts = common.setup("mlp", dropout=0.0, batch_size=args.batch_size)
+    batch_shapes = {k: jaxpar_shape(v) for k, v in parts.batch.items()}
+    result = plan(parts.factory, parts.loss_fn, optax.adamw(1e-3), batch_shapes, profile, 8, remats=("none",))
+    candidates = [c for c in result["plans"] if c.fits]
+    step = max(len(candidates) // args.plans, 1)
+    picked = candidates[::step][: args.plans]
+    if candidates[0] not in picked:
+        picked = [candidates[0]] + picked[:-1]
+    rows = []
+    for c in picked:
+        strategy, options = _strategy_from_label(c.strategy)
+        trainer = jaxpar.Trainer(parts.factory, parts.loss_fn, optax.adamw(1e-3), jaxpar.make_mesh(c.mesh),
+                                 strategy=strategy_of(strategy, options))
+        measured = measured_step_seconds(trainer, parts.batch, args.steps, args.rounds)
+        rows.append({"plan": c.flags, "projected_s": c.seconds, "measured_s": measured})
+        print(f"{c.flags:<70} projected {c.seconds * 1e3:9.3f} ms  measured {measured * 1e3:9.3f} ms", flush=True)
+    rho = spearman([r["projected_s"] for r in rows], [r["measured_s"] for r in rows])
+    best = min(r["measured_s"] for r in rows)
+    first = rows[0]["measured_s"] if rows[0]["plan"] == candidates[0].flags else None
+    out = {"plans": rows, "spearman": rho, "first_choice_over_best": None if first is None else first / best}
+    print(f"Spearman rank correlation over {len(rows)} plans: {rho:.2f}; the advisor's first choice measured "
+          f"{out['first_choice_over_best']:.2f}x the best measured")
+    return out
+
+
+def jaxpar_shape(value):
+    import jax
+
+    return jax.ShapeDtypeStruct(value.shape, value.dtype)
+
+
+def _strategy_from_label(text: str):
+    """("sync", {"allreduce": "ring"}) from a plan's strategy label such as "sync allreduce=ring" or "local_sgd H=4"."""
+    name, *rest = text.split()
+    options = {}
+    for item in rest:
+        key, _, value = item.partition("=")
+        options["period" if key == "H" else key] = int(value) if key == "H" else value
+    return name, options
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hardware", required=True, help="a profile: a file from python -m jaxpar.calibrate")
+    parser.add_argument("--parts", default="machine,advisor")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plans", type=int, default=8, help="plans of the advisor to measure")
+    parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} of the {len(CONFIGS)} configurations")
+    args = parser.parse_args()
+    jaxpar.make_mesh("8")  # before anything touches JAX: 8 CPU devices
+    profile = jaxpar.parse_hardware(args.hardware)
+    parts = args.parts.split(",")
+    result = {"profile": profile.name, "source": profile.source}
+    if "machine" in parts:
+        result["machine"] = machine(args, profile)
+    if "advisor" in parts:
+        result["advisor"] = advisor(args, profile)
+    print(json.dumps(result))
+
+
+def summarize(rows):
+    r = rows[-1]
+    out = []
+    if "machine" in r:
+        errors = [abs(x["error"]) for x in r["machine"]]
+        out.append(f"projected vs measured step time: median |error| {statistics.median(errors):.0%}, worst "
+                   f"{max(errors):.0%} over {len(errors)} configurations")
+    if "advisor" in r:
+        out.append(f"advisor: Spearman {r['advisor']['spearman']:.2f} over {len(r['advisor']['plans'])} plans")
+    return out
+
+
+if __name__ == "__main__":
+    main()
