@@ -105,6 +105,12 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 
 
+def test_dropout_in_the_stack_is_drawn_per_row_whatever_the_microbatch_count():
+    """The stack's masks follow each row's number in the batch, not the microbatch (this model has dropout in its
+    blocks only), so they are the same on every mesh however the rows are cut and split over data."""
+    assert_same(reference(4, 0.2), reference(1, 0.2))
+
+
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1),
                                       jaxpar.ASP()],
                          ids=lambda s: type(s).__name__)
@@ -144,6 +150,16 @@ def test_a_layer_count_that_does_not_split_into_the_stages_is_one_error():
 def test_microbatches_that_do_not_divide_the_batch_are_one_error():
     with pytest.raises(jaxpar.ConfigError, match=r"16 rows does not split into --microbatches 3"):
         train("stage=2", Pipeline("gpipe", 3))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_microbatches_that_do_not_split_over_the_data_shards_are_one_error(schedule):
+    """Inside the stages each data shard works on its own rows of every microbatch (so gradients are averaged over
+    data once per step): a microbatch of 1 row cannot split over data=2."""
+    with pytest.raises(jaxpar.ConfigError, match=r"^the batch reaching jaxpar.pipeline.Stack of 16 rows in "
+                                                 r"--microbatches 16 .* microbatches of 1 rows, which do not split over "
+                                                 r"the 2 data shards; use a batch divisible by 32, or fewer microbatches"):
+        train("data=2,stage=2", Pipeline(schedule, 16))
 
 
 def test_circular_needs_as_many_microbatches_as_stages():

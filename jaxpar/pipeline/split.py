@@ -25,7 +25,7 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as scope_lib
 from jaxpar.pipeline.schedules import one_f_one_b
-from jaxpar.pipeline.stack import Stack, merge_microbatches, split_microbatches
+from jaxpar.pipeline.stack import Stack, merge_microbatches, microbatch_rows, split_microbatches
 
 
 def the_stack(model) -> tuple[tuple, Stack]:
@@ -70,19 +70,23 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
 
     x, pull_pre, (args, stack_key, new_model_state) = jax.vjp(pre, params, has_aux=True)
     pipeline.check_layers(stack.num_layers, stages, "jaxpar.pipeline.Stack")
-    pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack")
+    pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack",
+                                shd.stage_row_shards(mesh))
     per = stack.num_layers // stages
     in_stack = lambda p, _: tuple(p[:len(prefix)]) == prefix  # noqa: E731
     stack_params, other_params = nnx.split_state(params, in_stack, ...)
     layer_graphdef, _, rest = nnx.split(stack.layers, nnx.Param, ...)
     stack._check_stateless(rest, stages)
 
+    rows_axis = shd.stage_rows_axis(mesh)
+
     def body(stack_p, other_p, state, batch, xs, args, key, step_key):
         run = stack._chunk(layer_graphdef, args, key, scope.remat)
         stage = jax.lax.axis_index(mesh_lib.STAGE_AXIS)
+        offset = 0 if rows_axis is None else jax.lax.axis_index(rows_axis) * xs.shape[1]
 
         def stage_fn(layers, x, m):
-            return run(layers, rest, x, m, stage * per)[0]
+            return run(layers, rest, x, microbatch_rows(m, count, xs.shape[1], offset), stage * per)[0]
 
         def head_fn(other, y, m):
             model = nnx.merge(graphdef, nnx.merge_state(other, stack_p), state)
@@ -92,11 +96,12 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
                 key_m = jax.random.fold_in(jax.random.wrap_key_data(step_key), m)
                 return call_loss(loss_fn, model, micro, make_rngs(key_m))
 
-        return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS)
+        return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS, rows_axis=rows_axis)
 
     whole, split = shd.REPLICATED, shd.STAGE_SPLIT
-    mapped = shd.over_stages(body, mesh, (split, whole, whole, whole, whole, whole, whole, whole),
-                             (whole, whole, split, whole, whole))
+    batch_rows, micro_rows = shd.stage_rows(mesh, 0), shd.stage_rows(mesh, 1)
+    mapped = shd.over_stages(body, mesh, (split, whole, whole, batch_rows, micro_rows, whole, whole, whole),
+                             (whole, whole, split, whole, micro_rows))
     loss, metrics, stack_grads, other_grads, input_grads = mapped(
         stack_params, other_params, model_state, batch, split_microbatches(x, count), args, stack_key,
         jax.random.key_data(key))
