@@ -105,12 +105,6 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 
 
-def test_dropout_in_the_stack_is_drawn_per_row_whatever_the_microbatch_count():
-    """The stack's masks follow each row's number in the batch, not the microbatch (this model has dropout in its
-    blocks only), so they are the same on every mesh however the rows are cut and split over data."""
-    assert_same(reference(4, 0.2), reference(1, 0.2))
-
-
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1),
                                       jaxpar.ASP()],
                          ids=lambda s: type(s).__name__)
@@ -197,15 +191,23 @@ def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
 
     def loss_counting_kept_units(model, batch, rngs):
         loss, metrics = loss_fn(model, batch, rngs)
-        kept = (model.drop(jax.numpy.ones((batch["x"].shape[0], 16)), rngs=rngs) > 0).sum()
+        kept = (model.drop(jax.numpy.ones((batch["x"].shape[0], 16)), rngs=rngs) > 0).mean()  # a mean: see below
         return loss, {**metrics, "kept": kept.astype(jax.numpy.float32)}
 
-    trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh("stage=2"),
-                             pipeline=Pipeline("1f1b", 4))
-    kept = float(trainer.step(trainer.init(0), batches(1, size=8)[0])[1]["kept"])
-    # the step reports the mean over the 4 microbatches of each one's count of kept units (of 2 x 16): one mask
-    # repeated gives a whole number, four masks their average (here 15.25)
-    assert kept == 15.25, kept
+    def kept_and_loss(mesh):
+        trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh(mesh),
+                                 pipeline=Pipeline("1f1b", 4))
+        metrics = trainer.step(trainer.init(0), batches(1, size=8)[0])[1]
+        return float(metrics["kept"]), float(metrics["loss"])
+
+    kept, loss = kept_and_loss("stage=2")
+    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16): one mask
+    # repeated gives a count / 32, four masks their average (here 15.25 / 32)
+    assert kept * 32 == 15.25, kept
+    # with data=2 each data shard draws its rows of the same masks (jaxpar.pipeline.shard_keys); metrics are
+    # averaged over the data shards, so a metric that is a mean over examples is the same
+    kept_data, loss_data = kept_and_loss("data=2,stage=2")
+    assert kept_data == kept and np.isclose(loss_data, loss, rtol=RTOL), (kept_data, loss_data, loss)
 
 
 def test_1f1b_needs_exactly_one_stack():

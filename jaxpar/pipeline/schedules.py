@@ -59,9 +59,10 @@ def _alternating_pairs(stages: int, parity: int) -> list[tuple[int, int]]:
     return pairs
 
 
-def _read_by(fn, params) -> list[bool]:
-    """For each leaf of `params`, whether `fn(params)` reads it at all (a leaf it never reads has a zero gradient:
-    1F1B's head does not read the layers before the stack, and summing their zeros over the devices is waste)."""
+def reads(fn, params) -> list[bool]:
+    """For each leaf of `params`, whether `fn(params)` depends on it at all (a leaf it never reads has a zero
+    gradient: 1F1B's head does not read the layers before the stack, and summing their zeros over the devices is
+    waste; a block with dropout 0 does not read its key)."""
     jaxpr = jax.make_jaxpr(fn)(params).jaxpr
     live = {id(v) for v in jaxpr.outvars}
     for eqn in reversed(jaxpr.eqns):  # what the result depends on (the head's trace holds dead code: the part
@@ -194,7 +195,7 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
     carry, _ = lax.scan(tick, start, jnp.arange(count + stages - 1))
     *_, grads, head_grads, input_grads, loss, metrics = carry
     # only the head gradients the head reads are summed; the others are zeros on every device
-    read = _read_by(lambda p: head_fn(p, xs[0], 0)[0], head_params)
+    read = reads(lambda p: head_fn(p, xs[0], 0)[0], head_params)
     head_leaves, head_tree = jax.tree.flatten(head_grads)
     summed = [g for g, r in zip(head_leaves, read) if r]
     loss, metrics, summed, input_grads = lax.psum(

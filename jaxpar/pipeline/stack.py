@@ -42,6 +42,7 @@ from jaxpar.errors import ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as scope_lib
+from jaxpar.pipeline import shard_keys
 from jaxpar.pipeline.config import Pipeline
 from jaxpar.pipeline.schedules import circular
 
@@ -59,16 +60,13 @@ def merge_microbatches(xs: jax.Array) -> jax.Array:
     return xs.swapaxes(0, 1).reshape((xs.shape[0] * xs.shape[1],) + xs.shape[2:])
 
 
-def layer_rngs(key, row, layer) -> nnx.Rngs:
-    """The streams of layer `layer` on row `row` of the batch reaching the stack."""
-    k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key), row), layer)
+def layer_rngs(key, microbatch, layer, shard=None) -> nnx.Rngs:
+    """`shard`: (first row, rows) of this device's rows of the microbatch, inside a stage map manual over data: its
+    draws are then the whole microbatch's at those rows (`jaxpar.pipeline.shard_keys`)."""
+    k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key), microbatch), layer)
+    if shard is not None:
+        k = shard_keys.shard_key(k, *shard)
     return nnx.Rngs(jax.random.fold_in(k, 0), dropout=jax.random.fold_in(k, 1))
-
-
-def microbatch_rows(m, count: int, size: int, offset=0) -> jax.Array:
-    """The rows (of the batch reaching the stack) of microbatch `m`'s local rows `offset`, ..., `offset + size - 1`:
-    microbatch m holds rows m, m + M, ... (`split_microbatches`)."""
-    return m + (offset + jnp.arange(size)) * count
 
 
 class Stack(nnx.Module):
@@ -89,42 +87,29 @@ class Stack(nnx.Module):
         self.num_layers = num_layers
 
     # --- one chunk of layers ---------------------------------------------------------------------------------------
-    def _chunk(self, graphdef, args, key, remat=None):
-        """`run(params, rest, x, rows, first) -> (y, rest)`: the layers of `params` (leading dimension k) in order on
-        `x`, whose rows are rows `rows` of the batch reaching the stack, the first layer being global layer `first`.
-        `remat`: a `jax.checkpoint_policies` policy each layer runs under (its backward keeps only what the policy
-        saves), or None.
-
-        Dropout (`key` given) is drawn per row, from that row's number: the masks are then the same however the rows
-        are cut into microbatches and split over devices (a stage map manual over data sees only its rows). A block
-        that keeps its own state (allowed only unpipelined with one microbatch) is called on the whole batch and
-        draws its masks for the whole batch."""
-        def checked(out, h):
+    def _chunk(self, graphdef, args, key, remat=None, shard=None):
+        """`run(params, rest, x, m, first) -> (y, rest)`: the layers of `params` (leading dimension k) in order on
+        `x`, microbatch `m`, the first being global layer `first`. `remat`: a `jax.checkpoint_policies` policy each
+        layer runs under (its backward keeps only what the policy saves), or None. `shard`: see `layer_rngs`."""
+        def layer(h, p, r, m, index):
+            block = nnx.merge(graphdef, p, r)
+            if key is None:
+                out = block(h, *args)
+            else:
+                out = block(h, *args, rngs=layer_rngs(key, m, index, shard))
             if not (hasattr(out, "shape") and out.shape == h.shape):
                 raise ModelError(f"jaxpar.pipeline.Stack: a block returned {getattr(out, 'shape', type(out))} "
                                  f"for an input of shape {h.shape}; a stacked block must return an array shaped "
                                  f"like its input")
-            return out.astype(h.dtype)
-
-        def layer(h, p, r, rows, index):
-            block = nnx.merge(graphdef, p, r)
-            if key is None:
-                out = checked(block(h, *args), h)
-            elif jax.tree.leaves(r):
-                out = checked(block(h, *args, rngs=layer_rngs(key, 0, index)), h)
-            else:
-                one = lambda row_h, row: checked(block(row_h[None], *args, rngs=layer_rngs(key, row, index)),  # noqa: E731
-                                                 row_h[None])[0]
-                out = jax.vmap(one)(h, rows)
-            return out, nnx.split(block, nnx.Param, ...)[2]
+            return out.astype(h.dtype), nnx.split(block, nnx.Param, ...)[2]
 
         if remat is not None:
             layer = jax.checkpoint(layer, policy=remat)
 
-        def run(params, rest, x, rows, first):
+        def run(params, rest, x, m, first):
             def body(h, inputs):
                 j, p, r = inputs
-                return layer(h, p, r, rows, first + j)
+                return layer(h, p, r, m, first + j)
 
             count = jax.tree.leaves(params)[0].shape[0]
             return lax.scan(body, x, (jnp.arange(count), params, rest))
@@ -150,7 +135,7 @@ class Stack(nnx.Module):
         stages = 1 if scope is None or scope.mesh is None else mesh_lib.size(scope.mesh, mesh_lib.STAGE_AXIS)
         count = pipeline.microbatches
         if stages == 1 and count == 1:
-            y, rest = run(params, rest, x, jnp.arange(x.shape[0]), 0)
+            y, rest = run(params, rest, x, 0, 0)
             nnx.update(self.layers, rest)
             return y
         self._check_stateless(rest, stages)
@@ -158,8 +143,7 @@ class Stack(nnx.Module):
         pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack", shards)
         xs = split_microbatches(x, count)
         if stages == 1:
-            ys = lax.map(lambda mx: run(params, rest, mx[1], microbatch_rows(mx[0], count, xs.shape[1]), 0)[0],
-                         (jnp.arange(count), xs))
+            ys = lax.map(lambda mx: run(params, rest, mx[1], mx[0], 0)[0], (jnp.arange(count), xs))
             return merge_microbatches(ys)
         return merge_microbatches(self._pipelined(scope.mesh, pipeline, stages, params, rest, xs, args, key,
                                                   remat))
@@ -186,16 +170,15 @@ class Stack(nnx.Module):
         def body(p, xs, args, key):
             p = jax.tree.map(lambda a: a[0], p)  # this stage's [R, k, ...]
             stage = lax.axis_index(axis)
-            offset = 0 if rows_axis is None else lax.axis_index(rows_axis) * xs.shape[1]
-            inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, key, remat)
+            shard = None if rows_axis is None else (lax.axis_index(rows_axis) * xs.shape[1], xs.shape[1])
+            inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, key, remat, shard)
 
             def stage_fn(chunk, x, m, r):
-                rows = microbatch_rows(m, xs.shape[0], xs.shape[1], offset)
-                return inner(chunk, rest, x, rows, (r * stages + stage) * per)[0]
+                return inner(chunk, rest, x, m, (r * stages + stage) * per)[0]
 
             return circular(stage_fn, p, xs, axis=axis, repeats=rounds)[None]
 
-        rows = shd.stage_rows(mesh, 1)
-        mapped = shd.over_stages(body, mesh, (shd.STAGE_SPLIT, rows, shd.REPLICATED, shd.REPLICATED),
-                                 shd.stage_rows(mesh, 2, staged=True))
+        # each data shard runs its own rows of every microbatch (so gradients are averaged over data once per step)
+        mapped = shd.over_stages(body, mesh, (shd.STAGE_SPLIT, shd.stage_rows(mesh, 1), shd.REPLICATED,
+                                              shd.REPLICATED), shd.stage_rows(mesh, 2, staged=True))
         return mapped(by_stage, xs, args, key)[-1]
