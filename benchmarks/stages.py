@@ -11,6 +11,8 @@ read from the compiled program, and step time of stage=4 against data=4.
   microbatch (so the global batch grows with M), in microbatch activations (rows x seq_len x d_model x 4 bytes);
 - bubble: the tick loop's trip count in the compiled step against `Pipeline.ticks`, and the bubble it implies
   (1 - useful ticks / ticks) against `Pipeline.bubble`, on stage=4 for M = 4, 8, 16;
+- collectives: the all-reduces over data in the compiled step of each schedule on data=2,stage=2 (and with
+  model=2) against one gradient average;
 - remat: compiled temporaries and FLOPs of GPipe and 1F1B on stage=2 under each remat policy;
 - speed: steps/s of stage=4 (or `--speed-mesh`, e.g. data=2,stage=2; each schedule) against data=4 (data=<the
   mesh's devices>) on the same model and global batch, alternating rounds.
@@ -52,6 +54,8 @@ def main() -> None:
         memory(model, [int(m) for m in args.microbatches.split(",")], args.rows)
     if "bubble" in parts:
         bubble(model, [int(m) for m in args.microbatches.split(",")], args.rows)
+    if "collectives" in parts:
+        collectives(model)
     if "remat" in parts:
         remat()
     if "speed" in parts:
@@ -156,6 +160,34 @@ def bubble(model, counts, rows) -> None:
             print(f"| {pipeline.schedule}{' R=2' if pipeline.repeats > 1 else ''} | {count} | {measured} | {ticks} | "
                   f"{row['bubble']:.3f} | {row['theory_bubble']:.3f} |")
             print(json.dumps(row), flush=True)
+
+
+def collectives(model) -> None:
+    """All-reduces over data in the compiled step (count per step, bytes per device per step) of each schedule on
+    data=2,stage=2 and data=2,stage=2,model=2 (M = 4, global batch 16), against one gradient average: the
+    parameter bytes a device holds."""
+    import math
+
+    import jax
+
+    from benchmarks import common
+    from jaxpar.cost.hlo import collective_ops
+
+    print("\n| schedule | mesh | all-reduces over data per step | their bytes per device | one gradient average |"
+          "\n|---|---|---|---|---|")
+    for mesh in ("data=2,stage=2", "data=2,stage=2,model=2"):
+        for pipeline in pipelines(2, 4):
+            parts = common.setup("transformer", dropout=0.0, batch_size=16, **model)
+            trainer = common.trainer(parts, jaxpar.make_mesh(mesh), pipeline=pipeline)
+            ops = [op for op in collective_ops(trainer.compiled_step("sync", parts.batch), trainer.mesh)
+                   if op.kind == "all-reduce" and "data" in (op.axes or ())]
+            held = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                       for leaf in jax.tree.leaves(trainer.abstract_state().params))
+            runs, nbytes = sum(op.runs for op in ops), sum(op.runs * op.bytes for op in ops)
+            name = pipeline.schedule + (" R=2" if pipeline.repeats > 1 else "")
+            print(f"| {name} | {mesh} | {runs} | {nbytes:,} | {held:,} |")
+            print(json.dumps({"part": "collectives", "schedule": name, "mesh": mesh, "runs": runs, "bytes": nbytes,
+                              "gradient_bytes": held}), flush=True)
 
 
 def remat() -> None:
