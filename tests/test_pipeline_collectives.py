@@ -2,7 +2,7 @@
 step: the compiled step (GPipe, circular, 1F1B on stage meshes with data, and with model) holds exactly one
 all-reduce over the data axis, run once, and its bytes are one gradient average: every parameter byte a device
 holds, plus the loss and the accuracy (two float32 scalars). Before, each tick's parameter gradients were
-all-reduced over data inside the tick loop (31 all-reduces per step for 1F1B on data=2,stage=2).
+all-reduced over data inside the tick loop (every case here fails on that code).
 
 That the averaged gradients are the right ones is checked in tests/test_pipeline_trainer.py (equivalence with the
 unpipelined stack on 1x1)."""
