@@ -11,7 +11,11 @@ read from the compiled program, and step time of stage=4 against data=4.
   microbatch (so the global batch grows with M), in microbatch activations (rows x seq_len x d_model x 4 bytes);
 - bubble: the tick loop's trip count in the compiled step against `Pipeline.ticks`, and the bubble it implies
   (1 - useful ticks / ticks) against `Pipeline.bubble`, on stage=4 for M = 4, 8, 16;
-- speed: steps/s of stage=4 (each schedule) against data=4 on the same model and global batch, alternating rounds.
+- collectives: the all-reduces over data in the compiled step of each schedule on data=2,stage=2 (and with
+  model=2) against one gradient average;
+- remat: compiled temporaries and FLOPs of GPipe and 1F1B on stage=2 under each remat policy;
+- speed: steps/s of stage=4 (or `--speed-mesh`, e.g. data=2,stage=2; each schedule) against data=4 (data=<the
+  mesh's devices>) on the same model and global batch, alternating rounds.
 
 Every row is also printed as one JSON line.
 """
@@ -37,6 +41,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="rows per microbatch (memory)")
     parser.add_argument("--rounds", type=int, default=3, help="speed: alternating rounds")
     parser.add_argument("--steps", type=int, default=5, help="speed: steps per round")
+    parser.add_argument("--speed-mesh", default="stage=4",
+                        help="speed: the pipelines' mesh (e.g. data=2,stage=2); the baseline is data=<its devices>")
+    parser.add_argument("--speed-dropout", type=float, default=0.0, help="speed: the model's dropout rate")
     args = parser.parse_args()
     jaxpar.make_mesh("8")  # before anything touches JAX: the 8 CPU devices
     parts = args.parts.split(",")
@@ -47,8 +54,12 @@ def main() -> None:
         memory(model, [int(m) for m in args.microbatches.split(",")], args.rows)
     if "bubble" in parts:
         bubble(model, [int(m) for m in args.microbatches.split(",")], args.rows)
+    if "collectives" in parts:
+        collectives(model)
+    if "remat" in parts:
+        remat()
     if "speed" in parts:
-        speed(model, args.rounds, args.steps)
+        speed(model, args.rounds, args.steps, args.speed_mesh, args.speed_dropout)
 
 
 def pipelines(stages: int, microbatches: int):
@@ -151,17 +162,76 @@ def bubble(model, counts, rows) -> None:
             print(json.dumps(row), flush=True)
 
 
-def speed(model, rounds, steps) -> None:
+def collectives(model) -> None:
+    """All-reduces over data in the compiled step (count per step, bytes per device per step) of each schedule on
+    data=2,stage=2 and data=2,stage=2,model=2 (M = 4, global batch 16), against one gradient average: the
+    parameter bytes a device holds."""
+    import math
+
+    import jax
+
+    from benchmarks import common
+    from jaxpar.cost.hlo import collective_ops
+
+    print("\n| schedule | mesh | all-reduces over data per step | their bytes per device | one gradient average |"
+          "\n|---|---|---|---|---|")
+    for mesh in ("data=2,stage=2", "data=2,stage=2,model=2"):
+        for pipeline in pipelines(2, 4):
+            parts = common.setup("transformer", dropout=0.0, batch_size=16, **model)
+            trainer = common.trainer(parts, jaxpar.make_mesh(mesh), pipeline=pipeline)
+            ops = [op for op in collective_ops(trainer.compiled_step("sync", parts.batch), trainer.mesh)
+                   if op.kind == "all-reduce" and "data" in (op.axes or ())]
+            held = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                       for leaf in jax.tree.leaves(trainer.abstract_state().params))
+            runs, nbytes = sum(op.runs for op in ops), sum(op.runs * op.bytes for op in ops)
+            name = pipeline.schedule + (" R=2" if pipeline.repeats > 1 else "")
+            print(f"| {name} | {mesh} | {runs} | {nbytes:,} | {held:,} |")
+            print(json.dumps({"part": "collectives", "schedule": name, "mesh": mesh, "runs": runs, "bytes": nbytes,
+                              "gradient_bytes": held}), flush=True)
+
+
+def remat() -> None:
+    """Compiled temporaries per device and FLOPs per step of GPipe and 1F1B on stage=2 (M = 4) under each remat
+    policy (the model of tests/test_pipeline_remat.py: 4 layers, d_model 64, d_ff 256, seq_len 64, batch 16)."""
+    import numpy as np
+    import optax
+
+    import models
+    from jaxpar.pipeline import Pipeline
+    from jaxpar.runtime.resources import step_flops
+
+    config = jaxpar.Config(model="transformer", layers=4, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=256,
+                           dropout=0.0)
+    batch = {"tokens": np.zeros((16, 65), np.int32)}
+    print("\n| schedule | remat | temporaries (bytes) | against none | FLOPs per step | against none |\n"
+          "|---|---|---|---|---|---|")
+    for schedule in ("gpipe", "1f1b"):
+        base = None
+        for policy in ("none", "full", "dots", "dots-no-batch"):
+            trainer = jaxpar.Trainer(model=models.factory(config), loss_fn=models.LOSSES["transformer"],
+                                     optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("stage=2"), remat=policy,
+                                     pipeline=Pipeline(schedule, 4))
+            compiled = trainer.compiled_step("sync", batch)
+            temp, flops = compiled.memory_analysis().temp_size_in_bytes, step_flops(compiled)
+            base = base or (temp, flops)
+            print(f"| {schedule} | {policy} | {temp:,} | {temp / base[0]:.2f} | {flops:,.0f} | {flops / base[1]:.2f} |")
+            print(json.dumps({"part": "remat", "schedule": schedule, "remat": policy, "temp_bytes": temp,
+                              "flops": flops}), flush=True)
+
+
+def speed(model, rounds, steps, mesh_spec="stage=4", dropout=0.0) -> None:
     import statistics
 
     from benchmarks import common
     from jaxpar.pipeline import Pipeline
 
-    parts = common.setup("transformer", dropout=0.0, batch_size=32, **model)
+    parts = common.setup("transformer", dropout=dropout, batch_size=32, **model)
     batch = parts.batch
-    runs = {"data=4": (jaxpar.make_mesh("data=4"), Pipeline()),
-            "stage=4 gpipe": (jaxpar.make_mesh("stage=4"), Pipeline("gpipe", 8)),
-            "stage=4 1f1b": (jaxpar.make_mesh("stage=4"), Pipeline("1f1b", 8))}
+    mesh = jaxpar.make_mesh(mesh_spec)
+    baseline = f"data={mesh.size}"
+    runs = {baseline: (jaxpar.make_mesh(baseline), Pipeline()),
+            f"{mesh_spec} gpipe": (mesh, Pipeline("gpipe", 8)),
+            f"{mesh_spec} 1f1b": (mesh, Pipeline("1f1b", 8))}
     funcs = {}
     for name, (mesh, pipeline) in runs.items():
         trainer = common.trainer(parts, mesh, pipeline=pipeline)
@@ -173,8 +243,8 @@ def speed(model, rounds, steps) -> None:
 
         funcs[name] = step
     rates = common.alternating_rates(funcs, rounds, steps)
-    base = statistics.median(rates["data=4"])
-    print("\n| run | steps/s (median) | against data=4 |\n|---|---|---|")
+    base = statistics.median(rates[baseline])
+    print(f"\n| run | steps/s (median) | against {baseline} |\n|---|---|---|")
     for name, values in rates.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.2f} | {median / base:.3f} |")
@@ -199,8 +269,8 @@ def summarize(rows):
         worst = max(abs(r["bubble"] - r["theory_bubble"]) for r in bub)
         lines.append(f"bubble measured vs theory: max difference **{worst:.3f}** over {len(bub)} schedules")
     for r in rows:
-        if r.get("part") == "speed" and r["run"] != "data=4":
-            lines.append(f"{r['run']} / data=4 steps/s: **{r['ratio']:.3f}**")
+        if r.get("part") == "speed" and " " in r["run"]:  # a pipeline (the baseline is a bare data=N)
+            lines.append(f"{r['run']} / data=N steps/s: **{r['ratio']:.3f}**")
     return lines
 
 

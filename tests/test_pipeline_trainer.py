@@ -146,6 +146,16 @@ def test_microbatches_that_do_not_divide_the_batch_are_one_error():
         train("stage=2", Pipeline("gpipe", 3))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_microbatches_that_do_not_split_over_the_data_shards_are_one_error(schedule):
+    """Inside the stages each data shard works on its own rows of every microbatch (so gradients are averaged over
+    data once per step): a microbatch of 1 row cannot split over data=2."""
+    with pytest.raises(jaxpar.ConfigError, match=r"^the batch reaching jaxpar.pipeline.Stack of 16 rows in "
+                                                 r"--microbatches 16 .* microbatches of 1 rows, which do not split over "
+                                                 r"the 2 data shards; use a batch divisible by 32, or fewer microbatches"):
+        train("data=2,stage=2", Pipeline(schedule, 16))
+
+
 def test_circular_needs_as_many_microbatches_as_stages():
     with pytest.raises(jaxpar.ConfigError, match=r"--microbatches 2 on 4 stages.*--microbatches 4 or more"):
         train("stage=4", Pipeline("circular", 2, repeats=2), layers=8)
@@ -181,15 +191,23 @@ def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
 
     def loss_counting_kept_units(model, batch, rngs):
         loss, metrics = loss_fn(model, batch, rngs)
-        kept = (model.drop(jax.numpy.ones((batch["x"].shape[0], 16)), rngs=rngs) > 0).sum()
+        kept = (model.drop(jax.numpy.ones((batch["x"].shape[0], 16)), rngs=rngs) > 0).mean()  # a mean: see below
         return loss, {**metrics, "kept": kept.astype(jax.numpy.float32)}
 
-    trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh("stage=2"),
-                             pipeline=Pipeline("1f1b", 4))
-    kept = float(trainer.step(trainer.init(0), batches(1, size=8)[0])[1]["kept"])
-    # the step reports the mean over the 4 microbatches of each one's count of kept units (of 2 x 16): one mask
-    # repeated gives a whole number, four masks their average (here 15.25)
-    assert kept == 15.25, kept
+    def kept_and_loss(mesh):
+        trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh(mesh),
+                                 pipeline=Pipeline("1f1b", 4))
+        metrics = trainer.step(trainer.init(0), batches(1, size=8)[0])[1]
+        return float(metrics["kept"]), float(metrics["loss"])
+
+    kept, loss = kept_and_loss("stage=2")
+    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16): one mask
+    # repeated gives a count / 32, four masks their average (here 15.25 / 32)
+    assert kept * 32 == 15.25, kept
+    # with data=2 each data shard draws its rows of the same masks (jaxpar.pipeline.shard_keys); metrics are
+    # averaged over the data shards, so a metric that is a mean over examples is the same
+    kept_data, loss_data = kept_and_loss("data=2,stage=2")
+    assert kept_data == kept and np.isclose(loss_data, loss, rtol=RTOL), (kept_data, loss_data, loss)
 
 
 def test_1f1b_needs_exactly_one_stack():

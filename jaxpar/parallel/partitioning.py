@@ -440,13 +440,48 @@ def bytes_per_device(abstract_tree, shardings) -> int:
 STAGE_SPLIT = P(mesh_lib.STAGE_AXIS)  # a leading dimension split over the stages (each holds its run of layers)
 
 
-def over_stages(fn, mesh: Mesh, in_specs, out_specs):
-    """`fn` in a `shard_map` manual over the stage axis only (the other axes stay automatic inside a stage); specs
-    are `STAGE_SPLIT` or `REPLICATED` (the same on every stage). Unchecked replication: the schedules send and
-    sum over the stage axis themselves. Inside a replica-manual shard_map (the explicit strategies) the stage map
-    nests in it, on the context's mesh (whose replica axis is already manual)."""
+def stage_rows_axis(mesh: Mesh) -> str | None:
+    """The data axis a stage map is manual over besides the stage axis, or None (data of size 1, or already manual:
+    inside a replica-manual shard_map each replica's rows are its own).
+
+    Why manual: with data automatic inside the stage map, XLA's partitioner all-reduces every tick's parameter
+    gradient over data (the tick's weight-gradient contraction runs over rows split over data, and the loop carry
+    that accumulates it is replicated): M + S - 1 gradient averages per step. Manual over data, each device
+    accumulates its rows' gradients locally over the ticks and one psum over data follows the loop."""
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
+        return None
+    data = mesh_lib.axis_name(mesh, mesh_lib.REPLICA_AXIS)
+    return data if mesh.shape.get(data, 1) > 1 else None
+
+
+def stage_row_shards(mesh: Mesh) -> int:
+    """The shards a stage map splits every microbatch's rows into (the size of `stage_rows_axis`)."""
+    rows = stage_rows_axis(mesh)
+    return 1 if rows is None else mesh.shape[rows]
+
+
+def stage_rows(mesh: Mesh, dim: int, staged: bool = False) -> P:
+    """Inside a stage map (`over_stages`): an array whose dimension `dim` holds the batch's rows, split over the
+    map's data axis (`stage_rows_axis`; not split when there is none); `staged`: its leading dimension over the
+    stages too (the schedules' per-stage outputs)."""
+    entries = [None] * (dim + 1)
+    entries[dim] = stage_rows_axis(mesh)
+    if staged:
+        entries[0] = mesh_lib.STAGE_AXIS
+    return P(*entries)
+
+
+def over_stages(fn, mesh: Mesh, in_specs, out_specs):
+    """`fn` in a `shard_map` manual over the stage axis and the data axis of `stage_rows_axis` (fsdp and model stay
+    automatic inside a stage); specs are `STAGE_SPLIT`, `stage_rows` or `REPLICATED` (the same on every stage and
+    data shard). Unchecked replication: the schedules send and sum over the stage axis themselves; an input
+    replicated over data gets its cotangent summed over data once, after the backward (shard_map's transpose).
+    Inside a replica-manual shard_map (the explicit strategies) the stage map nests in it, on the context's mesh
+    (whose replica axis is already manual)."""
+    context = jax.sharding.get_abstract_mesh()
+    rows = stage_rows_axis(mesh)
+    if not context.empty and context.manual_axes:
         mesh = context
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={mesh_lib.STAGE_AXIS}, check_vma=False)
+    axes = {mesh_lib.STAGE_AXIS} | ({rows} if rows else set())
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=axes, check_vma=False)

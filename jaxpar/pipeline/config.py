@@ -62,11 +62,17 @@ class Pipeline:
             raise ConfigError(f"{where}: {layers} layers do not split into {what}; use a layer count divisible by "
                               f"{runs}, or another stage count or --repeats")
 
-    def check_microbatches(self, rows: int, stages: int, where: str = "batch") -> None:
+    def check_microbatches(self, rows: int, stages: int, where: str = "batch", shards: int = 1) -> None:
+        """`shards`: the data shards each microbatch's rows are split over inside the stages."""
         if rows % self.microbatches:
             raise ConfigError(f"{where} of {rows} rows does not split into --microbatches {self.microbatches} "
                               f"(Pipeline(microbatches={self.microbatches})); use a microbatch count that divides "
                               f"{rows}")
+        if (rows // self.microbatches) % shards:
+            raise ConfigError(f"{where} of {rows} rows in --microbatches {self.microbatches} (Pipeline(microbatches="
+                              f"{self.microbatches})) gives microbatches of {rows // self.microbatches} rows, which "
+                              f"do not split over the {shards} data shards; use a batch divisible by "
+                              f"{self.microbatches * shards}, or fewer microbatches")
         if self.schedule == CIRCULAR and self.rounds > 1 and self.microbatches < stages:
             raise ConfigError(f"--pipeline circular with --microbatches {self.microbatches} on {stages} stages "
                               f"(Pipeline('circular', microbatches={self.microbatches})): the circular schedule needs "

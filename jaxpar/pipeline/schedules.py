@@ -59,6 +59,18 @@ def _alternating_pairs(stages: int, parity: int) -> list[tuple[int, int]]:
     return pairs
 
 
+def reads(fn, params) -> list[bool]:
+    """For each leaf of `params`, whether `fn(params)` depends on it at all (a leaf it never reads has a zero
+    gradient: 1F1B's head does not read the layers before the stack, and summing their zeros over the devices is
+    waste; a block with dropout 0 does not read its key)."""
+    jaxpr = jax.make_jaxpr(fn)(params).jaxpr
+    live = {id(v) for v in jaxpr.outvars}
+    for eqn in reversed(jaxpr.eqns):  # what the result depends on (the head's trace holds dead code: the part
+        if eqn.effects or any(id(v) in live for v in eqn.outvars):  # before the stack, whose output is replaced)
+            live.update(id(v) for v in eqn.invars)
+    return [id(v) in live for v in jaxpr.invars]
+
+
 def _pick(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
@@ -108,14 +120,20 @@ def circular(stage_fn: Callable, params, xs: jax.Array, *, axis: str, repeats: i
     return jnp.where(stage == stages - 1, ys[items - count + stages - 1:], jnp.zeros_like(xs))
 
 
-def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: jax.Array, *, axis: str):
+def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: jax.Array, *, axis: str,
+                rows_axis: str | None = None):
     """(mean over microbatches of the loss, mean of the metrics, the gradient of that mean loss with respect to
     this stage's `params`, with respect to `head_params`, and with respect to `xs`).
 
     `head_fn(head_params, y, m) -> (loss, metrics)` is the rest of the model and the loss on microbatch m's last
     stage output `y`. Loss, metrics, head gradients and input gradients are the same on every stage (summed over
-    `axis` from the one stage that computes each)."""
+    `axis` from the one stage that computes each).
+
+    `rows_axis`: a data axis the caller's map is also manual over, each shard holding its own rows of every
+    microbatch. The loss is then the mean of the shards' losses (a mean over examples, equal shards), and every
+    gradient is accumulated locally over the ticks and summed over `rows_axis` once, after the loop."""
     stages, stage = lax.axis_size(axis), lax.axis_index(axis)
+    shards = 1 if rows_axis is None else lax.axis_size(rows_axis)
     count = xs.shape[0]
     last = stage == stages - 1
     zeros = jnp.zeros_like(xs[0])
@@ -130,7 +148,8 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
         def head(y):  # the loss, its cotangent and the head's gradients, on the last stage only
             (value, aux), (g_head, g_y) = jax.value_and_grad(head_fn, argnums=(0, 1), has_aux=True)(head_params, y, m)
             aux = jax.tree.map(lambda a: a.astype(jnp.float32), aux)
-            return value.astype(jnp.float32), aux, jax.tree.map(lambda g: g / count, g_head), g_y / count
+            scale = count * shards  # d(mean over microbatches and shards) / d(this shard's microbatch loss)
+            return value.astype(jnp.float32), aux, jax.tree.map(lambda g: g / scale, g_head), g_y / scale
 
         def idle(y):
             return (jnp.zeros((), jnp.float32), no_metrics, jax.tree.map(jnp.zeros_like, head_params),
@@ -175,6 +194,15 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
              jnp.zeros((), jnp.float32), no_metrics)
     carry, _ = lax.scan(tick, start, jnp.arange(count + stages - 1))
     *_, grads, head_grads, input_grads, loss, metrics = carry
-    shared = lax.psum((loss / count, jax.tree.map(lambda a: a / count, metrics), head_grads, input_grads), axis)
-    loss, metrics, head_grads, input_grads = shared
+    # only the head gradients the head reads are summed; the others are zeros on every device
+    read = reads(lambda p: head_fn(p, xs[0], 0)[0], head_params)
+    head_leaves, head_tree = jax.tree.flatten(head_grads)
+    summed = [g for g, r in zip(head_leaves, read) if r]
+    loss, metrics, summed, input_grads = lax.psum(
+        (loss / count, jax.tree.map(lambda a: a / count, metrics), summed, input_grads), axis)
+    if rows_axis is not None:  # the gradient average over data: one psum, once per step
+        loss, metrics, summed, grads = lax.psum(
+            (loss / shards, jax.tree.map(lambda a: a / shards, metrics), summed, grads), rows_axis)
+    summed = iter(summed)
+    head_grads = head_tree.unflatten([next(summed) if r else g for g, r in zip(head_leaves, read)])
     return loss, metrics, grads, head_grads, input_grads

@@ -9,9 +9,10 @@ Nothing of the user's model or loss changes. The loss function is traced three w
 - replace: the loss on microbatch m with the stack standing in its output (the part before is dead code): the
   head that `one_f_one_b` differentiates on the last stage.
 
-The step's loss and metrics are their means over microbatches, which equal the whole batch's for a loss that is a
-mean over examples (as under gradient accumulation). The model's non-parameter state is updated by the part before
-the stack (the capture pass); layers after the stack draw dropout per microbatch.
+The step's loss and metrics are their means over microbatches (and over data shards, each stage map running its own
+rows), which equal the whole batch's for a loss and metrics that are means over examples (as under gradient
+accumulation). The model's non-parameter state is updated by the part before the stack (the capture pass); layers
+after the stack draw dropout per microbatch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxpar.errors import ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as scope_lib
+from jaxpar.pipeline import shard_keys
 from jaxpar.pipeline.schedules import one_f_one_b
 from jaxpar.pipeline.stack import Stack, merge_microbatches, split_microbatches
 
@@ -70,15 +72,19 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
 
     x, pull_pre, (args, stack_key, new_model_state) = jax.vjp(pre, params, has_aux=True)
     pipeline.check_layers(stack.num_layers, stages, "jaxpar.pipeline.Stack")
-    pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack")
+    pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack",
+                                shd.stage_row_shards(mesh))
     per = stack.num_layers // stages
     in_stack = lambda p, _: tuple(p[:len(prefix)]) == prefix  # noqa: E731
     stack_params, other_params = nnx.split_state(params, in_stack, ...)
     layer_graphdef, _, rest = nnx.split(stack.layers, nnx.Param, ...)
     stack._check_stateless(rest, stages)
 
+    rows_axis = shd.stage_rows_axis(mesh)
+
     def body(stack_p, other_p, state, batch, xs, args, key, step_key):
-        run = stack._chunk(layer_graphdef, args, key, scope.remat)
+        shard = None if rows_axis is None else (jax.lax.axis_index(rows_axis) * xs.shape[1], xs.shape[1])
+        run = stack._chunk(layer_graphdef, args, key, scope.remat, shard)
         stage = jax.lax.axis_index(mesh_lib.STAGE_AXIS)
 
         def stage_fn(layers, x, m):
@@ -90,13 +96,17 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
             with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.REPLACE, output=y)):
                 # each microbatch its own streams: the same key would repeat one dropout mask on every microbatch
                 key_m = jax.random.fold_in(jax.random.wrap_key_data(step_key), m)
+                if shard is not None:  # this data shard's rows of the microbatch's masks
+                    key_m = shard_keys.shard_key(key_m, *shard)
                 return call_loss(loss_fn, model, micro, make_rngs(key_m))
 
-        return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS)
+        return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS, rows_axis=rows_axis)
 
+    # each data shard runs its own rows of the batch and of every microbatch; one_f_one_b averages over data
     whole, split = shd.REPLICATED, shd.STAGE_SPLIT
-    mapped = shd.over_stages(body, mesh, (split, whole, whole, whole, whole, whole, whole, whole),
-                             (whole, whole, split, whole, whole))
+    batch_rows, micro_rows = shd.stage_rows(mesh, 0), shd.stage_rows(mesh, 1)
+    mapped = shd.over_stages(body, mesh, (split, whole, whole, batch_rows, micro_rows, whole, whole, whole),
+                             (whole, whole, split, whole, micro_rows))
     loss, metrics, stack_grads, other_grads, input_grads = mapped(
         stack_params, other_params, model_state, batch, split_microbatches(x, count), args, stack_key,
         jax.random.key_data(key))

@@ -42,6 +42,7 @@ from jaxpar.errors import ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline import scope as scope_lib
+from jaxpar.pipeline import shard_keys
 from jaxpar.pipeline.config import Pipeline
 from jaxpar.pipeline.schedules import circular
 
@@ -59,8 +60,12 @@ def merge_microbatches(xs: jax.Array) -> jax.Array:
     return xs.swapaxes(0, 1).reshape((xs.shape[0] * xs.shape[1],) + xs.shape[2:])
 
 
-def layer_rngs(key, microbatch, layer) -> nnx.Rngs:
+def layer_rngs(key, microbatch, layer, shard=None) -> nnx.Rngs:
+    """`shard`: (first row, rows) of this device's rows of the microbatch, inside a stage map manual over data: its
+    draws are then the whole microbatch's at those rows (`jaxpar.pipeline.shard_keys`)."""
     k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(key), microbatch), layer)
+    if shard is not None:
+        k = shard_keys.shard_key(k, *shard)
     return nnx.Rngs(jax.random.fold_in(k, 0), dropout=jax.random.fold_in(k, 1))
 
 
@@ -82,16 +87,16 @@ class Stack(nnx.Module):
         self.num_layers = num_layers
 
     # --- one chunk of layers ---------------------------------------------------------------------------------------
-    def _chunk(self, graphdef, args, key, remat=None):
+    def _chunk(self, graphdef, args, key, remat=None, shard=None):
         """`run(params, rest, x, m, first) -> (y, rest)`: the layers of `params` (leading dimension k) in order on
         `x`, microbatch `m`, the first being global layer `first`. `remat`: a `jax.checkpoint_policies` policy each
-        layer runs under (its backward keeps only what the policy saves), or None."""
+        layer runs under (its backward keeps only what the policy saves), or None. `shard`: see `layer_rngs`."""
         def layer(h, p, r, m, index):
             block = nnx.merge(graphdef, p, r)
             if key is None:
                 out = block(h, *args)
             else:
-                out = block(h, *args, rngs=layer_rngs(key, m, index))
+                out = block(h, *args, rngs=layer_rngs(key, m, index, shard))
             if not (hasattr(out, "shape") and out.shape == h.shape):
                 raise ModelError(f"jaxpar.pipeline.Stack: a block returned {getattr(out, 'shape', type(out))} "
                                  f"for an input of shape {h.shape}; a stacked block must return an array shaped "
@@ -134,7 +139,8 @@ class Stack(nnx.Module):
             nnx.update(self.layers, rest)
             return y
         self._check_stateless(rest, stages)
-        pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack")
+        shards = 1 if stages == 1 else shd.stage_row_shards(scope.mesh)
+        pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack", shards)
         xs = split_microbatches(x, count)
         if stages == 1:
             ys = lax.map(lambda mx: run(params, rest, mx[1], mx[0], 0)[0], (jnp.arange(count), xs))
@@ -159,17 +165,20 @@ class Stack(nnx.Module):
         by_stage = jax.tree.map(lambda a: a.reshape((rounds, stages, per) + a.shape[1:]).swapaxes(0, 1), params)
         axis = mesh_lib.STAGE_AXIS
 
+        rows_axis = shd.stage_rows_axis(mesh)
+
         def body(p, xs, args, key):
             p = jax.tree.map(lambda a: a[0], p)  # this stage's [R, k, ...]
             stage = lax.axis_index(axis)
-            stage_key = None if key is None else key
+            shard = None if rows_axis is None else (lax.axis_index(rows_axis) * xs.shape[1], xs.shape[1])
+            inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, key, remat, shard)
 
             def stage_fn(chunk, x, m, r):
-                inner = self._chunk(nnx.split(self.layers, nnx.Param, ...)[0], args, stage_key, remat)
                 return inner(chunk, rest, x, m, (r * stages + stage) * per)[0]
 
             return circular(stage_fn, p, xs, axis=axis, repeats=rounds)[None]
 
-        mapped = shd.over_stages(body, mesh, (shd.STAGE_SPLIT, shd.REPLICATED, shd.REPLICATED, shd.REPLICATED),
-                                 shd.STAGE_SPLIT)
+        # each data shard runs its own rows of every microbatch (so gradients are averaged over data once per step)
+        mapped = shd.over_stages(body, mesh, (shd.STAGE_SPLIT, shd.stage_rows(mesh, 1), shd.REPLICATED,
+                                              shd.REPLICATED), shd.stage_rows(mesh, 2, staged=True))
         return mapped(by_stage, xs, args, key)[-1]
