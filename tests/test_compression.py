@@ -16,6 +16,7 @@ from jaxpar.cost.hlo import bytes_sent, collective_ops
 from jaxpar.parallel import compression as cz
 from jaxpar.parallel.mesh import REPLICA_AXIS
 from jaxpar.parallel.partitioning import PER_REPLICA
+from jaxpar.train.faults import ReplicaCheck
 from tests.helpers import batch_for, trainer_for
 
 N = 8
@@ -143,6 +144,10 @@ def test_powersgd_leaves_vectors_and_small_matrices_uncompressed():
     assert state[cz.SHARED]["1"].shape == (72, 4)
 
 
+def trainer_shardings(mesh, codec):
+    return trainer_for("mlp", mesh, strategy=jaxpar.Sync(allreduce="ring", compress=codec)).state_shardings.params
+
+
 def losses(trainer, steps=6):
     state, out = trainer.init(0), []
     batch = batch_for("mlp", 16)
@@ -167,6 +172,8 @@ def test_a_compressed_sync_run_trains(mesh, algorithm, codec):
     assert got[-1] < got[0] - 0.2, got
     if codec in ("bf16", "fp16", "int8"):  # 6 steps of SGD(0.1): within 2e-3 of the uncompressed losses
         np.testing.assert_allclose(got, plain, atol=2e-3)
+    # every device's copy of each parameter agrees (a replicated leaf's int8 chunks are its own)
+    ReplicaCheck(trainer_shardings(mesh, codec), jaxpar.make_mesh(mesh)).check(state.params, 6)
     residuals = jax.tree.leaves(state.comm_state.get(cz.OWN, ()))
     assert all(r.shape[0] == int(mesh.split("x")[0]) for r in residuals)
 

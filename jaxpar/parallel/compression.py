@@ -10,12 +10,13 @@ per device, from which `CompressedCommunicator.wire_bytes` gives what the busies
 - ``fp16``: as bf16 in float16, with a per-leaf power-of-two scale 2^floor(log2(65504 / (N * amax))) where amax is
   the leaf's largest |gradient| over every replica (one small pmax): every partial sum of N scaled values stays
   within float16's range, in any summation order; small gradients are scaled up, away from float16's subnormals.
-- ``int8``: error feedback (v = gradient + residual), per-chunk (`INT8_CHUNK` elements of the fused buffer) scale
+- ``int8``: error feedback (v = gradient + residual), per-chunk (`INT8_CHUNK` elements of one leaf) scale
   absmax/127, codes round(v/scale); the codes and scales are ALL-GATHERED and every replica decodes and sums them
   in float32 in the same order (the exact mean of the quantized values, identical on every replica, no second
   quantization). Summing int32 codes instead (psum with a shared scale) puts 4 bytes per element on the wire,
   as many as float32. The all-gather sends (N-1) x (n + 4 n / chunk) bytes per device against float32's ring
-  2(N-1)/N x 4n: N/8 of it (1/4 on 2 replicas, even at 8); see docs/compression.md.
+  2(N-1)/N x 4n: N/8 of it (1/4 on 2 replicas, even at 8); see docs/compression.md. The chunks of a leaf are
+  its own (each leaf zero-padded to whole chunks).
 - ``powersgd:R`` (Vogels et al. 2019): error feedback; each gradient with ndim >= 2, viewed as a matrix
   (shape[0], prod(shape[1:])) = n x m with (n + m) R < n m, sends P = M Q (n x R, averaged), then
   Q = M^T orth(P) (m x R, averaged); the mean is orth(P) Q^T and Q is kept for the next step (warm start).
@@ -108,23 +109,24 @@ class Int8:
         if not leaves:
             return leaves, own, shared
         v = [_f32(g) + r for g, r in zip(leaves, own)]
-        flat = jnp.concatenate([x.ravel() for x in v])
-        codes, scales = int8_encode(flat)
-        sent = int8_decode(codes, scales, flat.shape[0])
+        # chunks never straddle two leaves: a leaf replicated over a within-replica axis then gets the same codes
+        # on each of its devices, whatever the sharded leaves next to it hold
+        encoded = [int8_encode(x.ravel()) for x in v]
+        codes = jnp.concatenate([c for c, _ in encoded])
+        scales = jnp.concatenate([s for _, s in encoded])
         all_codes, all_scales = exchange.gather((codes, scales))
-        mean = jnp.sum(_f32(all_codes) * all_scales[..., None], axis=0).reshape(-1)[:flat.shape[0]] / n
+        mean = jnp.sum(_f32(all_codes) * all_scales[..., None], axis=0) / n  # [K, C]
         out, residual, offset = [], [], 0
-        for g, x in zip(leaves, v):
-            part = slice(offset, offset + x.size)
-            out.append(mean[part].reshape(x.shape).astype(g.dtype))
-            residual.append(_finite_or_zero(x - sent[part].reshape(x.shape)))
-            offset += x.size
+        for g, x, (c, s) in zip(leaves, v, encoded):
+            k = c.shape[0]
+            out.append(mean[offset:offset + k].reshape(-1)[:x.size].reshape(x.shape).astype(g.dtype))
+            residual.append(_finite_or_zero(x - int8_decode(c, s, x.size).reshape(x.shape)))
+            offset += k
         return out, residual, shared
 
     def payload(self, shapes, n) -> dict:
-        size = sum(math.prod(s) for s in shapes)
-        chunks = -(-size // INT8_CHUNK)
-        return {"all-gather": chunks * INT8_CHUNK + 4 * chunks} if size else {}
+        chunks = sum(-(-math.prod(s) // INT8_CHUNK) for s in shapes)
+        return {"all-gather": chunks * INT8_CHUNK + 4 * chunks} if chunks else {}
 
 
 def as_matrix_shape(shape) -> tuple[int, int]:
