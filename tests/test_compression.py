@@ -178,9 +178,10 @@ def test_a_compressed_sync_run_trains(mesh, algorithm, codec):
     assert all(r.shape[0] == int(mesh.split("x")[0]) for r in residuals)
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
-def test_compiled_wire_bytes_match_the_codecs_count_on_8(codec):
-    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress=codec))
+@pytest.mark.parametrize("algorithm,codec", [("psum", "bf16"), ("psum", "fp16"), ("psum", "int8"),
+                                             ("psum", "powersgd:2"), ("ring", "bf16"), ("ring", "int8")])
+def test_compiled_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):
+    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce=algorithm, compress=codec))
     trainer.init(0)
     ops = collective_ops(trainer.compiled_step("sync", batch_for("mlp", 16)), trainer.mesh)
     measured = sum(bytes_sent(op) for op in ops if op.axes == (REPLICA_AXIS,))

@@ -92,6 +92,15 @@ def theoretical_traffic(algorithm: str, n: int, nbytes: int, torus_x: int | None
                 note=f"root receives and sends {(n - 1) * nbytes} bytes, one worker at a time; workers send {nbytes}")
 
 
+def _permute(x, axis_name, perm):
+    """`lax.ppermute`, with a 16-bit float sent as its bits: XLA:CPU otherwise moves the permute of a bfloat16
+    value that an add produced to float32 (measured: a bf16 ring sent as many bytes as float32)."""
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), axis_name, perm)
+        return lax.bitcast_convert_type(bits, x.dtype)
+    return lax.ppermute(x, axis_name, perm)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rings built from ppermute. `chunks` is [G, C]; `pos` is this device's (traced) position in its ring of G
 # devices; `perm` maps every device of the axis to its successor in its own ring, so several rings (the rows or
@@ -102,7 +111,7 @@ def _ring_reduce_scatter(chunks, axis_name, pos, perm):
     """After G-1 steps, device `pos` holds chunk (pos+1) % G summed over its ring; returns that chunk."""
     g = chunks.shape[0]
     for s in range(g - 1):
-        received = lax.ppermute(lax.dynamic_index_in_dim(chunks, (pos - s) % g, keepdims=False), axis_name, perm)
+        received = _permute(lax.dynamic_index_in_dim(chunks, (pos - s) % g, keepdims=False), axis_name, perm)
         k = (pos - s - 1) % g
         chunks = lax.dynamic_update_index_in_dim(chunks, lax.dynamic_index_in_dim(chunks, k, 0, False) + received, k, 0)
     return lax.dynamic_index_in_dim(chunks, (pos + 1) % g, keepdims=False)
@@ -113,7 +122,7 @@ def _ring_all_gather(chunk, out, axis_name, pos, perm):
     g = out.shape[0]
     out = lax.dynamic_update_index_in_dim(out, chunk, (pos + 1) % g, 0)
     for s in range(g - 1):
-        chunk = lax.ppermute(chunk, axis_name, perm)  # the left neighbour's chunk from the previous step
+        chunk = _permute(chunk, axis_name, perm)  # the left neighbour's chunk from the previous step
         out = lax.dynamic_update_index_in_dim(out, chunk, (pos - s) % g, 0)
     return out
 
@@ -145,11 +154,11 @@ def _ps_mean(flat, axis_name, n, average=True):
     idx = lax.axis_index(axis_name)
     total = flat
     for sender in range(1, n):
-        total = total + lax.ppermute(flat, axis_name, [(sender, 0)])  # zeros everywhere but on device 0
+        total = total + _permute(flat, axis_name, [(sender, 0)])  # zeros everywhere but on device 0
     mean = total / jnp.asarray(n, flat.dtype) if average else total
     received = jnp.zeros_like(mean)
     for receiver in range(1, n):
-        received = received + lax.ppermute(mean, axis_name, [(0, receiver)])
+        received = received + _permute(mean, axis_name, [(0, receiver)])
     return jnp.where(idx == 0, mean, received)
 
 
@@ -239,7 +248,7 @@ def _ring_gather(x, axis_name, pos, perm, g):
     """[G, ...]: every member of this device's ring of G (successor map `perm`) gets all G members' `x`."""
     out = lax.dynamic_update_index_in_dim(jnp.zeros((g,) + x.shape, x.dtype), x, pos, 0)
     for s in range(g - 1):
-        x = lax.ppermute(x, axis_name, perm)  # from the predecessor: member pos - s - 1
+        x = _permute(x, axis_name, perm)  # from the predecessor: member pos - s - 1
         out = lax.dynamic_update_index_in_dim(out, x, (pos - s - 1) % g, 0)
     return out
 
@@ -249,10 +258,10 @@ def _gather_leaf(x, axis_name, n, algorithm, torus):
     if algorithm == "ps":  # everyone sends to device 0, which sends the whole stack to each worker
         out = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, 0, 0)
         for sender in range(1, n):
-            out = lax.dynamic_update_index_in_dim(out, lax.ppermute(x, axis_name, [(sender, 0)]), sender, 0)
+            out = lax.dynamic_update_index_in_dim(out, _permute(x, axis_name, [(sender, 0)]), sender, 0)
         received = jnp.zeros_like(out)
         for receiver in range(1, n):
-            received = received + lax.ppermute(out, axis_name, [(0, receiver)])
+            received = received + _permute(out, axis_name, [(0, receiver)])
         return jnp.where(idx == 0, out, received)
     x_size, y_size = torus if algorithm == "torus2d" else (n, 1)
     col, row = idx % x_size, idx // x_size
