@@ -62,6 +62,8 @@ BENCHMARKS = [
               {True: 240, False: 900}, "allreduce algorithms: collectives vs theory, steps/s"),
     Benchmark("fsdp", "collectives", ["--fsdp"], ["--fsdp", "--steps", "5", "--rounds", "1"],
               {True: 300, False: 1200}, "FSDP (ZeRO-3) traffic on 5 meshes vs theory"),
+    Benchmark("compression", "compression", [], [], {True: 240, False: 600},
+              "gradient codecs: bytes on the data axis from the compiled step against each codec's count"),
     Benchmark("comm", "comm", ["--model", "transformer"], [], {True: 300, False: 1200},
               "collective bytes against theory for every strategy and mesh (compiled steps, no training)"),
     Benchmark("strategies", "strategies", [], ["--task", "mlp", "--max-steps", "160"], {True: 300, False: 1500},

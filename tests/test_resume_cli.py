@@ -44,7 +44,9 @@ def wait_for(predicate, process, timeout=120):
     [],
     ["--strategy", "local_sgd", "--sync-period", "3"],  # checkpoint at 4 and 8: between the meetings at 3, 6, 9
     ["--strategy", "ssp", "--staleness", "2", "--stragglers", "1:2.0"],  # checkpoint mid-schedule
-], ids=["sync", "local_sgd", "ssp"])
+    ["--allreduce", "ring", "--compress", "int8"],  # error-feedback residuals, one per replica
+    ["--allreduce", "psum", "--compress", "powersgd:2"],  # residuals and the warm-start Q
+], ids=["sync", "local_sgd", "ssp", "int8", "powersgd"])
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(strategy, tmp_path, capsys):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # uninterrupted (and `--resume` on an empty folder starts fresh, saying so)

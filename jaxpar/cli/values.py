@@ -17,6 +17,7 @@ from jaxpar.cost.hardware import parse_hardware
 from jaxpar.cost.simulator import parse_stragglers
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
+from jaxpar.parallel.compression import parse_codec
 from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.train.remat import REMATS
@@ -143,6 +144,7 @@ CHECKS: dict[str, tuple[Check, ...]] = {
     "strategy": (one_of(STRATEGIES, noun="strategy"),),
     "allreduce": (parses(lambda value: check_allreduce(value, None)),),
     "torus": (at_least(1),),
+    "compress": (parses(parse_codec),),
     "sync_period": (at_least(1),),
     "local_after": (at_least(0),),
     "outer_lr": (within(lambda v: v > 0, "must be > 0, e.g. --outer-lr 0.7"),),

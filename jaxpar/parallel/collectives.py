@@ -92,6 +92,15 @@ def theoretical_traffic(algorithm: str, n: int, nbytes: int, torus_x: int | None
                 note=f"root receives and sends {(n - 1) * nbytes} bytes, one worker at a time; workers send {nbytes}")
 
 
+def _permute(x, axis_name, perm):
+    """`lax.ppermute`, with a 16-bit float sent as its bits: XLA:CPU otherwise moves the permute of a bfloat16
+    value that an add produced to float32 (measured: a bf16 ring sent as many bytes as float32)."""
+    if jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.ppermute(lax.bitcast_convert_type(x, jnp.uint16), axis_name, perm)
+        return lax.bitcast_convert_type(bits, x.dtype)
+    return lax.ppermute(x, axis_name, perm)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rings built from ppermute. `chunks` is [G, C]; `pos` is this device's (traced) position in its ring of G
 # devices; `perm` maps every device of the axis to its successor in its own ring, so several rings (the rows or
@@ -102,7 +111,7 @@ def _ring_reduce_scatter(chunks, axis_name, pos, perm):
     """After G-1 steps, device `pos` holds chunk (pos+1) % G summed over its ring; returns that chunk."""
     g = chunks.shape[0]
     for s in range(g - 1):
-        received = lax.ppermute(lax.dynamic_index_in_dim(chunks, (pos - s) % g, keepdims=False), axis_name, perm)
+        received = _permute(lax.dynamic_index_in_dim(chunks, (pos - s) % g, keepdims=False), axis_name, perm)
         k = (pos - s - 1) % g
         chunks = lax.dynamic_update_index_in_dim(chunks, lax.dynamic_index_in_dim(chunks, k, 0, False) + received, k, 0)
     return lax.dynamic_index_in_dim(chunks, (pos + 1) % g, keepdims=False)
@@ -113,7 +122,7 @@ def _ring_all_gather(chunk, out, axis_name, pos, perm):
     g = out.shape[0]
     out = lax.dynamic_update_index_in_dim(out, chunk, (pos + 1) % g, 0)
     for s in range(g - 1):
-        chunk = lax.ppermute(chunk, axis_name, perm)  # the left neighbour's chunk from the previous step
+        chunk = _permute(chunk, axis_name, perm)  # the left neighbour's chunk from the previous step
         out = lax.dynamic_update_index_in_dim(out, chunk, (pos - s) % g, 0)
     return out
 
@@ -139,21 +148,22 @@ def _torus_sum(flat, axis_name, n, x, y):
     return _ring_all_gather(part, row_chunks, axis_name, col, row_perm).reshape(-1)
 
 
-def _ps_mean(flat, axis_name, n):
-    """Device 0 gathers, averages and sends back; a ppermute permutation is one-to-one, hence one per peer."""
+def _ps_mean(flat, axis_name, n, average=True):
+    """Device 0 gathers, averages (or sums) and sends back; a ppermute permutation is one-to-one, hence one per
+    peer."""
     idx = lax.axis_index(axis_name)
     total = flat
     for sender in range(1, n):
-        total = total + lax.ppermute(flat, axis_name, [(sender, 0)])  # zeros everywhere but on device 0
-    mean = total / jnp.asarray(n, flat.dtype)
+        total = total + _permute(flat, axis_name, [(sender, 0)])  # zeros everywhere but on device 0
+    mean = total / jnp.asarray(n, flat.dtype) if average else total
     received = jnp.zeros_like(mean)
     for receiver in range(1, n):
-        received = received + lax.ppermute(mean, axis_name, [(0, receiver)])
+        received = received + _permute(mean, axis_name, [(0, receiver)])
     return jnp.where(idx == 0, mean, received)
 
 
-def _fused_mean(leaves, axis_name, n, algorithm, torus):
-    """Fuse leaves per dtype, average each flat buffer, split back; returns leaves in input order."""
+def _fused_mean(leaves, axis_name, n, algorithm, torus, average=True):
+    """Fuse leaves per dtype, average (or sum) each flat buffer, split back; returns leaves in input order."""
     out = [None] * len(leaves)
     by_dtype: dict = {}
     for i, leaf in enumerate(leaves):
@@ -164,11 +174,12 @@ def _fused_mean(leaves, axis_name, n, algorithm, torus):
         if size == 0:
             mean = flat
         elif algorithm == "ps":
-            mean = _ps_mean(flat, axis_name, n)
+            mean = _ps_mean(flat, axis_name, n, average)
         else:
             flat = jnp.pad(flat, (0, -size % n))  # every device must own an equal 1/N slice
             x, y = torus if algorithm == "torus2d" else (1, n)
-            mean = (_torus_sum(flat, axis_name, n, x, y) / jnp.asarray(n, dtype))[:size]
+            total = _torus_sum(flat, axis_name, n, x, y)
+            mean = (total / jnp.asarray(n, dtype) if average else total)[:size]
         offset = 0
         for i in idxs:
             out[i] = mean[offset:offset + leaves[i].size].reshape(leaves[i].shape)
@@ -196,10 +207,90 @@ def allreduce_mean(tree, axis_name: str, algorithm: str = "psum", *, torus_x: in
     return jax.tree.unflatten(treedef, _fused_mean(leaves, axis_name, n, algorithm, torus))
 
 
+def allreduce_sum(tree, axis_name: str, algorithm: str = "psum", *, torus_x: int | None = None):
+    """Like `allreduce_mean`, the sum (in the leaves' dtype): what a codec's wire format is summed with."""
+    _check_algorithm(algorithm)
+    leaves, treedef = jax.tree.flatten(tree)
+    n = lax.axis_size(axis_name)
+    if n == 1 or not leaves:
+        return tree
+    if algorithm == "psum" and all(jnp.dtype(x.dtype).itemsize == 2 for x in leaves):
+        return jax.tree.unflatten(treedef, _native_sum_16(leaves, axis_name, n))
+    if algorithm == "psum":
+        return lax.psum(tree, axis_name)
+    torus = torus_shape(n, torus_x) if algorithm == "torus2d" else None
+    return jax.tree.unflatten(treedef, _fused_mean(leaves, axis_name, n, algorithm, torus, average=False))
+
+
+def _native_sum_16(leaves, axis_name, n):
+    """The sum of 16-bit float leaves with 16 bits on the wire, by XLA's own collectives.
+
+    XLA:CPU promotes a 16-bit all-reduce or reduce-scatter to float32 (its AllReducePromotion pass: 4 bytes per
+    element on the wire), so the reduce-scatter is an all-to-all of the (bitcast) 16-bit chunks, each device sums
+    its chunk over the replicas in float32 and rounds it once to 16 bits, and an all-gather shares the chunks:
+    2(N-1)/N x 2 bytes per element, like a ring all-reduce of the 16-bit buffer."""
+    dtype = jnp.dtype(leaves[0].dtype)
+    flat = jnp.concatenate([jnp.ravel(x.astype(dtype)) for x in leaves])
+    size = flat.shape[0]
+    chunks = jnp.pad(flat, (0, -size % n)).reshape(n, -1)
+    bits = lax.all_to_all(lax.bitcast_convert_type(chunks, jnp.uint16), axis_name, 0, 0)  # row i: from device i
+    own = jnp.sum(lax.bitcast_convert_type(bits, dtype).astype(jnp.float32), axis=0).astype(dtype)
+    whole = lax.all_gather(lax.bitcast_convert_type(own, jnp.uint16), axis_name)
+    flat = lax.bitcast_convert_type(whole, dtype).reshape(-1)[:size]
+    out, offset = [], 0
+    for x in leaves:
+        out.append(flat[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
+        offset += x.size
+    return out
+
+
+def _ring_gather(x, axis_name, pos, perm, g):
+    """[G, ...]: every member of this device's ring of G (successor map `perm`) gets all G members' `x`."""
+    out = lax.dynamic_update_index_in_dim(jnp.zeros((g,) + x.shape, x.dtype), x, pos, 0)
+    for s in range(g - 1):
+        x = _permute(x, axis_name, perm)  # from the predecessor: member pos - s - 1
+        out = lax.dynamic_update_index_in_dim(out, x, (pos - s - 1) % g, 0)
+    return out
+
+
+def _gather_leaf(x, axis_name, n, algorithm, torus):
+    idx = lax.axis_index(axis_name)
+    if algorithm == "ps":  # everyone sends to device 0, which sends the whole stack to each worker
+        out = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, 0, 0)
+        for sender in range(1, n):
+            out = lax.dynamic_update_index_in_dim(out, _permute(x, axis_name, [(sender, 0)]), sender, 0)
+        received = jnp.zeros_like(out)
+        for receiver in range(1, n):
+            received = received + _permute(out, axis_name, [(0, receiver)])
+        return jnp.where(idx == 0, out, received)
+    x_size, y_size = torus if algorithm == "torus2d" else (n, 1)
+    col, row = idx % x_size, idx // x_size
+    row_perm = [(r * x_size + c, r * x_size + (c + 1) % x_size) for r in range(y_size) for c in range(x_size)]
+    rows = _ring_gather(x, axis_name, col, row_perm, x_size) if x_size > 1 else x[None]
+    if y_size == 1:
+        return rows
+    col_perm = [(r * x_size + c, ((r + 1) % y_size) * x_size + c) for r in range(y_size) for c in range(x_size)]
+    return _ring_gather(rows, axis_name, row, col_perm, y_size).reshape((n,) + x.shape)  # device y*X + x
+
+
+def allgather(tree, axis_name: str, algorithm: str = "psum", *, torus_x: int | None = None):
+    """Every leaf stacked over the axis ([N, ...], entry i from device i): psum -> XLA's all-gather; ring -> N-1
+    ppermute steps; torus2d -> gathered along X, then the X-stacks along Y; ps -> through device 0."""
+    _check_algorithm(algorithm)
+    n = lax.axis_size(axis_name)
+    if algorithm == "psum":
+        return lax.all_gather(tree, axis_name)
+    if n == 1:
+        return jax.tree.map(lambda x: x[None], tree)
+    torus = torus_shape(n, torus_x) if algorithm == "torus2d" else None
+    return jax.tree.map(lambda x: _gather_leaf(x, axis_name, n, algorithm, torus), tree)
+
+
 class Communicator:
     """An averaging algorithm over a manual mesh axis, as an object (optax-like).
 
-    - `init(params) -> state`: any state it keeps (this one keeps none: `()`); stored in `TrainState.comm_state`;
+    - `init(params, num_replicas) -> state`: any state it keeps (this one keeps none: `()`); stored in
+      `TrainState.comm_state` (a compressed one, `jaxpar.parallel.compression`, keeps per-replica parts);
     - `mean(tree, state, axis_name) -> (tree, state)`: the mean of every leaf over `axis_name`, inside a shard_map
       body where that axis is manual.
     """
@@ -215,7 +306,7 @@ class Communicator:
         """XLA's own collective: works on global (auto-sharded) arrays without flattening them."""
         return self.name == "psum"
 
-    def init(self, params):
+    def init(self, params, num_replicas: int = 1):
         return ()
 
     def mean(self, tree, state, axis_name: str):

@@ -373,6 +373,37 @@ def replicated_specs(tree):
     return jax.tree.map(lambda _: REPLICATED, tree)
 
 
+COMM_OWN = "own"  # a compressed communicator's per-replica part (jaxpar.parallel.compression.OWN)
+
+
+def _split_comm(state):
+    """(the per-replica part, if `state` is a compressed communicator's with a non-empty one, else None)."""
+    if isinstance(state, dict) and COMM_OWN in state and jax.tree.leaves(state[COMM_OWN]):
+        return state[COMM_OWN]
+    return None
+
+
+def communicator_shardings(abstract_state, param_shardings, mesh: Mesh):
+    """A communicator's state: its per-replica part (params-shaped, e.g. error-feedback residuals) stacked over the
+    replicas like per-replica parameters; everything else replicated."""
+    out = jax.tree.map(lambda _: replicated(mesh), abstract_state)
+    if _split_comm(abstract_state) is not None:
+        out[COMM_OWN] = stacked(param_shardings)
+    return out
+
+
+def communicator_specs(state, param_shardings=None):
+    """Specs of a communicator's state in a replica-manual shard_map (the per-replica part: `PER_REPLICA`), or,
+    with `param_shardings`, in the nested shard_map manual over the within-replica axes (the per-replica part:
+    its leading dimension whole, the rest like the parameters' shards)."""
+    out = replicated_specs(state)
+    if _split_comm(state) is not None:
+        out[COMM_OWN] = (jax.tree.map(lambda _: PER_REPLICA, state[COMM_OWN]) if param_shardings is None else
+                         jax.tree.map(lambda s: P(None, *s), within_replica_specs(param_shardings),
+                                      is_leaf=lambda x: isinstance(x, P)))
+    return out
+
+
 def specs_of(shardings) -> list:
     """The PartitionSpec of each NamedSharding leaf, in tree order."""
     return [s.spec for s in jax.tree.leaves(shardings, is_leaf=_is_sharding)]

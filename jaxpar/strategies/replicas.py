@@ -51,10 +51,11 @@ def mean_params_like(ctx, tree, comm_state=()):
     comm = ctx.communicator
     if _single_replica():
         return tree, comm_state
-    if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
+    if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1 or not getattr(
+            comm, "per_shard", True):  # (PowerSGD's matrices stay whole: the compiler shards its matmuls)
         return comm.mean(tree, comm_state, AXIS)
     specs = shd.within_replica_specs(ctx.param_shardings)
-    state_specs = shd.replicated_specs(comm_state)
+    state_specs = shd.communicator_specs(comm_state, ctx.param_shardings)
     # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
     return jax.shard_map(lambda t, s: comm.mean(t, s, AXIS), in_specs=(specs, state_specs),
                          out_specs=(specs, state_specs), axis_names=set(mesh_lib.WITHIN_REPLICA_AXES),

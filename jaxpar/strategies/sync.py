@@ -8,6 +8,8 @@
   `shard_map` manual over the replica axis (fsdp and model left to the compiler), with the chosen communicator.
   Each replica draws its own dropout masks (its index folded into the key) and BatchNorm uses its own slice's
   statistics, with running averages averaged so replicas stay identical.
+- `Sync(allreduce=..., compress="bf16" | "fp16" | "int8" | "powersgd:R")`: that exchange wrapped by a codec
+  (`jaxpar.parallel.compression`; docs/compression.md), its state (error-feedback residuals) in `comm_state`.
 
 Every replica holds identical parameters after every step; a slow replica holds everyone back (the simulated
 clock, with `stragglers`, charges each step the slowest replica's time).
@@ -16,8 +18,10 @@ clock, with `stragglers`, charges each step the slowest replica's time).
 from __future__ import annotations
 
 
+from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.partitioning import constrain, gathered_over
+from jaxpar.parallel.compression import compressed, parse_codec
+from jaxpar.parallel.partitioning import communicator_specs, constrain, gathered_over
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import Clock, StrategyBase
@@ -27,10 +31,17 @@ from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_k
 class Sync(StrategyBase):
     name = "sync"
     DEFAULT_ALLREDUCE = None  # the partitioner's: one jit step over the whole global batch
-    OPTIONS: dict = {}  # config fields specific to this strategy -> their defaults
+    OPTIONS: dict = {"compress": "none"}  # config fields specific to this strategy -> their defaults
 
-    def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None):
+    def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None,
+                 compress: str | None = None):
         super().__init__(allreduce, torus_x, stragglers)
+        codec = parse_codec(compress)
+        if codec is not None:
+            if self.communicator is None:
+                raise OptionError("compress", compress, "needs an explicit {allreduce} (psum, ring, torus2d or ps) "
+                                                        "to wrap; the compiler's averaging cannot be compressed")
+            self.communicator = compressed(self.communicator, codec)
         self.clock = Clock(self.stragglers, 0, lambda update: ("sync",))
 
     @property
@@ -40,7 +51,7 @@ class Sync(StrategyBase):
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "Sync":
-        return cls(**cls._common(options))
+        return cls(**cls._common(options), compress=options.get("compress"))
 
     def init(self, ctx, state):
         return state
@@ -97,10 +108,11 @@ class Sync(StrategyBase):
             return rep.replica_step(ctx, params, model_state, batch, key, comm_state=comm_state)
 
         same = rep.SAME
-        sharded = rep.per_replica(ctx, own, in_specs=(same, same, rep.BATCH, same, same),
-                                  out_specs=(same, same, same, same))
 
         def step(state: TrainState, batch, inputs):
+            comm = communicator_specs(state.comm_state)  # a codec's per-replica residuals: one per replica
+            sharded = rep.per_replica(ctx, own, in_specs=(same, same, rep.BATCH, same, comm),
+                                      out_specs=(same, same, same, comm))
             grads, model_state, metrics, comm_state = sharded(state.params, state.model_state, batch,
                                                               step_key(state), state.comm_state)
             params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)

@@ -100,7 +100,7 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
     ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh, grad_accum,
                       strategy.communicator, skip_nonfinite)
     comm = strategy.communicator
-    comm_sh = () if comm is None else jax.tree.map(lambda _: shd.replicated(mesh), jax.eval_shape(comm.init,
-                                                                                                    abs_params))
+    comm_sh = () if comm is None else shd.communicator_shardings(
+        jax.eval_shape(lambda p: comm.init(p, ctx.num_replicas), abs_params), param_sh, mesh)
     neutral = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
     return StatePlan(ctx, eval_graphdef, neutral, strategy.shardings(ctx, neutral), notes)

@@ -65,6 +65,7 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
                             f"know")
     values = unnest(reduced) if reduced is not None else {}
     values, stacked = stack_layers(values, wanted)
+    values, regrouped = regroup_replicas(values, wanted)
     if reduced is not None:
         for name in names:
             if name not in values:
@@ -95,7 +96,30 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
     notes = [f"checkpoint step {step} was written by {before}; this run is {now}: {how}{fresh}"]
     if stacked:
         notes.append(STACKED_NOTE.format(old=stacked[0][1], new=stacked[0][0]))
+    if regrouped:
+        notes.append(REGROUPED_NOTE.format(old=regrouped[0], new=regrouped[1]))
     return state, notes
+
+
+REGROUPED_NOTE = ("the communicator's per-replica state (error-feedback residuals) of {old} replicas was averaged "
+                  "and given to each of the {new} replicas: the mean residual, which is what the next averaged "
+                  "gradient receives, is kept")
+
+
+def regroup_replicas(values: dict, wanted: dict) -> tuple[dict, tuple]:
+    """(`values` with every `comm_state` array saved with another leading (replica) dimension than this trainer's
+    averaged over it and broadcast to this trainer's, (saved replicas, new replicas) or ())."""
+    out, regrouped = dict(values), ()
+    for name, described in wanted.items():
+        shape = list(described["shape"])
+        value = out.get(name)
+        if not name.startswith("comm_state.") or value is None or not shape or list(value.shape) == shape:
+            continue
+        if list(value.shape[1:]) == shape[1:]:
+            mean = jnp.mean(jnp.asarray(value, jnp.float32), axis=0).astype(value.dtype)
+            out[name] = jnp.broadcast_to(mean, shape)
+            regrouped = (value.shape[0], shape[0])
+    return out, regrouped
 
 
 def stack_layers(values: dict, wanted: dict) -> tuple[dict, list[tuple[str, str]]]:
