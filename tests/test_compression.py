@@ -233,3 +233,15 @@ def test_residuals_restore_onto_another_replica_count_averaged(tmp_path):
         assert got.shape == (2,) + r.shape[1:]
         np.testing.assert_allclose(np.asarray(got), np.broadcast_to(r.mean(0), got.shape), rtol=1e-6, atol=1e-9)
     assert any("averaged and given to each of the 2 replicas" in n for n in notes)
+
+
+def test_a_communicator_written_before_init_took_the_replica_count_still_works():
+    from jaxpar.parallel.collectives import Communicator
+
+    class Old(Communicator):  # a user's subclass: init(params) only, as before compression
+        def init(self, params):
+            return ()
+
+    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(Old("ring")))
+    state, _ = trainer.step(trainer.init(0), batch_for("mlp"))
+    assert state.comm_state == () and int(state.step) == 1

@@ -36,6 +36,7 @@ to any strategy.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import jax
@@ -308,6 +309,16 @@ class Communicator:
 
     def init(self, params, num_replicas: int = 1):
         return ()
+
+    def init_state(self, params, num_replicas: int):
+        """`init`, for communicators written before it took the replica count (`init(params)`) too."""
+        try:
+            parameters = inspect.signature(self.init).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        if len(parameters) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters.values()):
+            return self.init(params, num_replicas)
+        return self.init(params)
 
     def mean(self, tree, state, axis_name: str):
         return allreduce_mean(tree, axis_name, self.name, torus_x=self.torus_x), state

@@ -101,6 +101,6 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
                       strategy.communicator, skip_nonfinite)
     comm = strategy.communicator
     comm_sh = () if comm is None else shd.communicator_shardings(
-        jax.eval_shape(lambda p: comm.init(p, ctx.num_replicas), abs_params), param_sh, mesh)
+        jax.eval_shape(lambda p: comm.init_state(p, ctx.num_replicas), abs_params), param_sh, mesh)
     neutral = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)
     return StatePlan(ctx, eval_graphdef, neutral, strategy.shardings(ctx, neutral), notes)

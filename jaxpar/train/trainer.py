@@ -177,7 +177,7 @@ class Trainer:
         # the run key: a separate stream from initialisation's (same seed, another fold)
         return TrainState(jnp.zeros((), jnp.int32), params, model_state, self._tx.init(params), (),
                           jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)),
-                          () if comm is None else comm.init(params, self.ctx.num_replicas))
+                          () if comm is None else comm.init_state(params, self.ctx.num_replicas))
 
     def _expand(self, neutral: TrainState) -> TrainState:
         return self.strategy.init(self.ctx, neutral)
