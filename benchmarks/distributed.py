@@ -116,11 +116,40 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
             params, opt_state, value = hand_step(params, opt_state, placed_now)
         return float(value)
 
+    # the same step written by hand as jaxpar runs it on several CPU processes: each process's gradients and loss
+    # averaged as ONE flat buffer (one gloo all-reduce instead of one per gradient array)
+    from jax.flatten_util import ravel_pytree
+
+    flat_params = jax.device_put(nnx.split(MLP(nnx.Rngs(0)), nnx.Param)[1], replicated)
+    flat_opt_state = jax.device_put(tx.init(flat_params), replicated)
+
+    @jax.jit
+    def flat_step(params, opt_state, batch):
+        def own(params, batch):  # one process's rows; the replicated params marked per-process for the gradient
+            params = jax.lax.pcast(params, "data", to="varying")
+            value, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch)[0])(params)
+            flat, unravel = ravel_pytree((value, grads))
+            return unravel(jax.lax.pmean(flat, "data"))
+
+        value, grads = jax.shard_map(own, mesh=trainer.mesh, in_specs=(P(), P("data")), out_specs=P(),
+                                     axis_names={"data"})(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    def flat_round(n):
+        nonlocal flat_params, flat_opt_state
+        for _ in range(n):
+            placed_now = {k: jax.make_array_from_process_local_data(rows, v, (GLOBAL_BATCH,) + v.shape[1:])
+                          for k, v in batch.items()}
+            flat_params, flat_opt_state, value = flat_step(flat_params, flat_opt_state, placed_now)
+        return float(value)
+
     del placed
-    jax_round(3), torch_round(3), hand_round(3)  # compile / warm up
-    rates = {"jaxpar": [], "torch_ddp": [], "jax_jit": []}
+    jax_round(3), torch_round(3), hand_round(3), flat_round(3)  # compile / warm up
+    rates = {"jaxpar": [], "torch_ddp": [], "jax_jit": [], "jax_flat": []}
     for _ in range(rounds):
-        for name, fn in (("jaxpar", jax_round), ("torch_ddp", torch_round), ("jax_jit", hand_round)):
+        for name, fn in (("jaxpar", jax_round), ("torch_ddp", torch_round), ("jax_jit", hand_round),
+                         ("jax_flat", flat_round)):
             dist.barrier()
             started = time.perf_counter()
             fn(steps)
@@ -132,6 +161,69 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
 
 
 def ddp(args) -> dict:
+    rates = _two_workers("_ddp_worker", args)
+    result = {name: statistics.median(values) for name, values in rates.items()}
+    result["ratio_jaxpar_to_ddp"] = result["jaxpar"] / result["torch_ddp"]
+    result["ratio_jaxpar_to_jax_jit"] = result["jaxpar"] / result["jax_jit"]
+    result["ratio_jaxpar_to_jax_flat"] = result["jaxpar"] / result["jax_flat"]
+    result["rounds"] = rates
+    print(f"2 processes x 1 CPU device, MLP {IN}-{HIDDEN}-{OUT} GELU, global batch {GLOBAL_BATCH}, AdamW: "
+          f"jaxpar {result['jaxpar']:.0f} samples/s, torch DDP {result['torch_ddp']:.0f}, hand-written jax.jit "
+          f"{result['jax_jit']:.0f}, hand-written one-buffer step {result['jax_flat']:.0f}; jaxpar / DDP "
+          f"{result['ratio_jaxpar_to_ddp']:.3f}, jaxpar / jit {result['ratio_jaxpar_to_jax_jit']:.3f}, jaxpar / "
+          f"one-buffer {result['ratio_jaxpar_to_jax_flat']:.3f} (median of {args.rounds} alternating rounds of "
+          f"{args.steps} steps)")
+    return result
+
+
+def allreduce_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, out: str) -> None:
+    """The bare all-reduce between the 2 processes: XLA (jax.distributed, gloo) against torch.distributed (gloo),
+    and XLA's all-reduce of the MLP's 5 gradient arrays as they are against the same bytes as one flat array."""
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    import jaxpar
+
+    jaxpar.runtime.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=2)
+    mesh = jaxpar.make_mesh("2")
+    rows, replicated = NamedSharding(mesh, P(("data", "fsdp"))), NamedSharding(mesh, P())
+
+    def per_process(*shape):  # one row per process: summing over the rows is the all-reduce
+        return jax.make_array_from_process_local_data(rows, np.ones((1, *shape), np.float32), (2, *shape))
+
+    gradients = [(HIDDEN,), (HIDDEN, IN), (OUT,), (OUT, HIDDEN), ()]  # the MLP's gradients and its loss
+    total = sum(int(np.prod(shape)) for shape in gradients)
+    summed = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.sum(x, 0), tree), out_shardings=replicated)
+    cases = {"xla 4 B": [per_process()], "xla 1.1 MB": [per_process(total)],
+             "xla 1.1 MB as 5 arrays": [per_process(*shape) for shape in gradients]}
+    tensors = {"torch 4 B": torch.ones(1), "torch 1.1 MB": torch.ones(total)}
+    calls = {**{name: (lambda a=a: jax.block_until_ready(summed(a))) for name, a in cases.items()},
+             **{name: (lambda t=t: dist.all_reduce(t)) for name, t in tensors.items()}}
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(steps):
+                call()
+            times[name].append((time.perf_counter() - started) / steps * 1e3)
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(times, handle)
+    dist.destroy_process_group()
+
+
+def _two_workers(which: str, args) -> dict:
+    """Starts the 2 worker processes of `which` ("_ddp_worker" or "_allreduce_worker"); process 0's JSON result."""
     import socket
 
     def port():
@@ -141,25 +233,24 @@ def ddp(args) -> dict:
 
     jax_port, torch_port = port(), port()
     with tempfile.TemporaryDirectory() as folder:
-        out = os.path.join(folder, "rates.json")
+        out = os.path.join(folder, "result.json")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.distributed", "_ddp_worker", str(rank),
+        workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.distributed", which, str(rank),
                                      str(jax_port), str(torch_port), str(args.rounds), str(args.steps), out],
                                     cwd=ROOT, env=env)
                    for rank in range(2)]
         codes = [w.wait(timeout=1800) for w in workers]
         if any(codes):
             sys.exit(f"a worker failed: exit codes {codes}")
-        rates = json.load(open(out))
-    result = {name: statistics.median(values) for name, values in rates.items()}
-    result["ratio_jaxpar_to_ddp"] = result["jaxpar"] / result["torch_ddp"]
-    result["ratio_jaxpar_to_jax_jit"] = result["jaxpar"] / result["jax_jit"]
-    result["rounds"] = rates
-    print(f"2 processes x 1 CPU device, MLP {IN}-{HIDDEN}-{OUT} GELU, global batch {GLOBAL_BATCH}, AdamW: "
-          f"jaxpar {result['jaxpar']:.0f} samples/s, torch DDP {result['torch_ddp']:.0f}, hand-written jax.jit "
-          f"{result['jax_jit']:.0f}; jaxpar / DDP {result['ratio_jaxpar_to_ddp']:.3f}, jaxpar / jit "
-          f"{result['ratio_jaxpar_to_jax_jit']:.3f} (median of {args.rounds} alternating rounds of {args.steps} "
-          f"steps)")
+        return json.load(open(out))
+
+
+def allreduce(args) -> dict:
+    times = _two_workers("_allreduce_worker", args)
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["rounds"] = times
+    print(f"milliseconds per all-reduce between 2 processes (median of {args.rounds} alternating rounds of "
+          f"{args.steps}): " + ", ".join(f"{name} {result[name]:.2f}" for name in times))
     return result
 
 
@@ -189,16 +280,17 @@ def processes(args) -> dict:
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "_ddp_worker":
+    if len(sys.argv) > 1 and sys.argv[1] in ("_ddp_worker", "_allreduce_worker"):
         rank, port, torch_port, rounds, steps = map(int, sys.argv[2:7])
-        ddp_worker(rank, port, torch_port, rounds, steps, sys.argv[7])
+        worker = ddp_worker if sys.argv[1] == "_ddp_worker" else allreduce_worker
+        worker(rank, port, torch_port, rounds, steps, sys.argv[7])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=("ddp", "processes"))
+    parser.add_argument("which", choices=("ddp", "allreduce", "processes"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    result = ddp(args) if args.which == "ddp" else processes(args)
+    result = {"ddp": ddp, "allreduce": allreduce, "processes": processes}[args.which](args)
     print(json.dumps({"benchmark": f"distributed {args.which}", **result}))
 
 

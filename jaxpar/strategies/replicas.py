@@ -20,6 +20,8 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
+from jaxpar.parallel.collectives import pmean_in_one_buffer
+from jaxpar.runtime.distributed import one_buffer_gradients
 from jaxpar.train.faults import finite_within, select_tree
 from jaxpar.train.step import loss_and_grad
 
@@ -125,6 +127,12 @@ def unfold_rng_keys(new_model_state, original_model_state):
     return _map_rng_keys(lambda v: next(originals), new_model_state)
 
 
+def has_batch_stats(graphdef) -> bool:
+    """Whether the model (its `nnx.GraphDef`) holds BatchNorm statistics."""
+    return any(isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.BatchStat)
+               for n in graphdef.nodes)
+
+
 def mean_batch_stats(model_state, weight=None):
     """Averages BatchNorm statistics (and nothing else: a user's EMA or cache stays per replica) over replicas."""
     leaves, treedef = jax.tree.flatten(model_state, is_leaf=shd.is_variable)
@@ -156,7 +164,8 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     if average and mean_metrics and ctx.communicator.native and not _single_replica():
         # XLA's all-reduce: gradients and metrics (and a server update's participant count) in ONE all-reduce
         if weight is None:
-            grads, metrics = lax.pmean((grads, metrics), AXIS)
+            mean = pmean_in_one_buffer if one_buffer_gradients(ctx.mesh) else lax.pmean
+            grads, metrics = mean((grads, metrics), AXIS)
         else:
             grads, metrics = _weighted_mean_in_one(grads, metrics, weight)
         return grads, mean_batch_stats(new_state, weight), metrics, comm_state

@@ -1,0 +1,139 @@
+"""Gradients across CPU processes in one flat buffer (jaxpar.runtime.distributed.one_buffer_gradients).
+
+XLA:CPU runs an all-reduce of several arrays as one gloo all-reduce per array; on several CPU processes a pure
+data-parallel Sync() step therefore averages gradients and loss as one flat buffer per dtype. Here (one process,
+8 devices) the decision is forced on and the compiled step is read; a real 2-process run checks it is on there."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.cost.hlo import collective_ops
+from jaxpar.parallel.collectives import pmean_in_one_buffer
+from jaxpar.parallel.mesh import REPLICA_AXIS
+from jaxpar.parallel.partitioning import PER_REPLICA
+from jaxpar.runtime import distributed
+from jaxpar.strategies import Sync
+from tests.helpers import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, batch_norm=False):
+        self.hidden = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs) if batch_norm else None
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.hidden(x)
+        return self.out(jax.nn.gelu(self.norm(h) if self.norm is not None else h))
+
+
+def loss_fn(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean(), {}
+
+
+def batch(step):
+    rng = np.random.default_rng(step)
+    return {"x": rng.standard_normal((32, 8), dtype=np.float32), "y": rng.integers(0, 3, 32).astype(np.int32)}
+
+
+@pytest.fixture
+def several_cpu_processes(monkeypatch):
+    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
+
+
+def all_reduces(trainer):
+    return [op for op in collective_ops(trainer.compiled_step("sync", batch(0))) if op.kind == "all-reduce"]
+
+
+def test_pmean_in_one_buffer_equals_pmean_with_one_single_array_all_reduce_per_dtype():
+    mesh = jaxpar.make_mesh("8")
+    tree = {"a": jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 2, 3), "b": jnp.arange(8.0) ** 2,
+            "c": jnp.arange(8 * 4, dtype=jnp.bfloat16).reshape(8, 4)}
+
+    def averaged(mean):
+        return jax.jit(jax.shard_map(lambda t: mean(t, REPLICA_AXIS), mesh=mesh, in_specs=PER_REPLICA,
+                                     out_specs=PER_REPLICA))
+
+    fused, native = averaged(pmean_in_one_buffer), averaged(jax.lax.pmean)
+    for key, value in fused(tree).items():
+        np.testing.assert_allclose(np.asarray(value, np.float32), np.asarray(native(tree)[key], np.float32),
+                                   rtol=1e-6)
+    ops = collective_ops(fused.lower(tree).compile())
+    # one array per dtype (f32: a and b in one buffer, bf16: c; XLA combines the two into one all-reduce);
+    # pmean sends one array per leaf
+    assert [len(op.arrays) for op in ops] == [2]
+    assert [len(op.arrays) for op in collective_ops(native.lower(tree).compile())] == [3]
+
+
+def test_one_buffer_only_on_several_cpu_processes_and_a_pure_data_parallel_mesh(monkeypatch):
+    assert not distributed.one_buffer_gradients(jaxpar.make_mesh("8"))  # this process: one process
+    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
+    assert distributed.one_buffer_gradients(jaxpar.make_mesh("8"))
+    assert not distributed.one_buffer_gradients(jaxpar.make_mesh("2x4"))  # flattening would all-gather the shards
+    assert not distributed.one_buffer_gradients(jaxpar.make_mesh("data=4,fsdp=2"))
+
+
+def test_default_sync_on_several_cpu_processes_sends_one_flat_buffer_and_equals_the_compiler_step(monkeypatch):
+    def trained(steps=3):
+        trainer = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.adamw(1e-2), mesh=jaxpar.make_mesh("8"))
+        state = trainer.init(0)
+        for step in range(steps):
+            state, metrics = trainer.step(state, batch(step))
+        return trainer, state, float(metrics["loss"])
+
+    compiler, compiler_state, compiler_loss = trained()
+    assert [len(op.arrays) for op in all_reduces(compiler)] == [5]  # 4 gradients + the loss, one array each
+    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
+    flat, flat_state, flat_loss = trained()
+    assert [len(op.arrays) for op in all_reduces(flat)] == [1]
+    assert all_reduces(flat)[0].bytes == 4 * (8 * 16 + 16 + 16 * 3 + 3 + 1)  # every gradient and the loss
+    np.testing.assert_allclose(flat_loss, compiler_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(flat.params(flat_state)), jax.tree.leaves(compiler.params(compiler_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_keeps_the_compiler_step_so_its_statistics_stay_global(several_cpu_processes):
+    trainer = jaxpar.Trainer(model=lambda rngs: MLP(rngs, batch_norm=True), loss_fn=loss_fn,
+                             optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("8"))
+    assert Sync.compiler_step_on(trainer.ctx)
+    plain = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("8"))
+    assert not Sync.compiler_step_on(plain.ctx)
+
+
+WORKER = """
+import sys
+import jaxpar
+jaxpar.runtime.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", 2, int(sys.argv[1]), local_devices=1)
+from jaxpar.runtime import distributed
+print("one buffer:", distributed.one_buffer_gradients(jaxpar.make_mesh("2")),
+      distributed.one_buffer_gradients(jaxpar.make_mesh("1x2")), flush=True)
+"""
+
+
+def test_two_cpu_processes_turn_one_buffer_gradients_on():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = child_env()
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(rank), str(port)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outputs = [w.communicate(timeout=120) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+    assert [w.returncode for w in workers] == [0, 0], outputs[0][1][-2000:]
+    assert all("one buffer: True False" in out for out, _ in outputs)  # a model axis of 2: not pure data parallel
