@@ -3,14 +3,26 @@ against 2 processes x 4 devices on the default transformer.
 
     pip install torch==2.13.0          # benchmark only (`pip install -e '.[bench]'`); never a jaxpar dependency
     python -m benchmarks.distributed ddp --rounds 5 --steps 30
+    python -m benchmarks.distributed allreduce --rounds 5 --steps 30
+    python -m benchmarks.distributed flatten --rounds 5 --steps 30
     python -m benchmarks.distributed processes --rounds 2 --steps 40
 
 `ddp`: 2 processes x 1 CPU device, each process both a JAX process (jax.distributed, gloo) and a torch process
 (torch.distributed, gloo). The same model (256-1024-10, GELU), global batch 512 (256 rows per process), AdamW
 (lr 1e-3), cross-entropy. Rounds alternate in the same two processes (jaxpar, torch, jaxpar, ...), so machine noise
 hits both alike; each round is --steps steps timed to the end of its last update. Both use one compute thread per
-process (XLA: no Eigen multithreading; torch.set_num_threads(1)): 2 processes on 2 cores. Prints the median
-samples/s of each and their ratio, and one JSON line.
+process (XLA: no Eigen multithreading; torch.set_num_threads(1)): 2 processes on 2 cores. Four contenders: jaxpar
+(the default Trainer), torch DDP, the hand-written `jax.jit` step (the compiler inserts the gradient all-reduce) and
+a hand-written one-buffer step (shard_map, gradients and loss raveled into one buffer, one pmean). Prints the median
+samples/s of each and jaxpar's ratio to each, and one JSON line.
+
+`allreduce`: the bare all-reduce between the same 2 processes, XLA against torch (4 B and the MLP's 1.1 MB), and
+XLA's all-reduce of the MLP's 5 gradient arrays against the same bytes as one array (ms per call).
+
+`flatten`: one process: the MLP's gradients left as they are, concatenated into one buffer, or written into one
+buffer in place as jaxpar does (ms per call).
+
+`--xla-flags`: more XLA flags for every JAX step of these (the options measured in docs/processes.md).
 
 `processes`: `python run.py --mesh 2x4` (1 process, 8 devices) against `python -m jaxpar.launch --nproc 2 -- run.py
 --mesh 2x4` (2 processes x 4 devices), alternating, each --steps steps of the default transformer; samples/s is the
@@ -29,10 +41,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GLOBAL_BATCH, IN, HIDDEN, OUT = 512, 256, 1024, 10
+EXTRA_FLAGS = "JAXPAR_BENCH_XLA_FLAGS"  # --xla-flags, passed to the workers (a later flag overrides an earlier one)
 
 
 def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, out: str) -> None:
-    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false {os.environ.get(EXTRA_FLAGS, '')}".strip()
     import jaxpar
 
     jaxpar.runtime.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
@@ -179,7 +192,7 @@ def ddp(args) -> dict:
 def allreduce_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, out: str) -> None:
     """The bare all-reduce between the 2 processes: XLA (jax.distributed, gloo) against torch.distributed (gloo),
     and XLA's all-reduce of the MLP's 5 gradient arrays as they are against the same bytes as one flat array."""
-    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false {os.environ.get(EXTRA_FLAGS, '')}".strip()
     import jaxpar
 
     jaxpar.runtime.distributed.initialize(f"127.0.0.1:{port}", 2, rank, local_devices=1)
@@ -235,6 +248,7 @@ def _two_workers(which: str, args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "result.json")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env[EXTRA_FLAGS] = args.xla_flags
         workers = [subprocess.Popen([sys.executable, "-m", "benchmarks.distributed", which, str(rank),
                                      str(jax_port), str(torch_port), str(args.rounds), str(args.steps), out],
                                     cwd=ROOT, env=env)
@@ -251,6 +265,47 @@ def allreduce(args) -> dict:
     result["rounds"] = times
     print(f"milliseconds per all-reduce between 2 processes (median of {args.rounds} alternating rounds of "
           f"{args.steps}): " + ", ".join(f"{name} {result[name]:.2f}" for name in times))
+    return result
+
+
+def flatten(args) -> dict:
+    """One process, one device: the MLP's gradients (and loss) of one step, left as they are, flattened with
+    jnp.concatenate, or written into one buffer leaf by leaf as jaxpar does; ms per call."""
+    os.environ["XLA_FLAGS"] = f"--xla_cpu_multi_thread_eigen=false {args.xla_flags}".strip()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from jaxpar.parallel.collectives import _one_buffer
+
+    model = nnx.Sequential(nnx.Linear(IN, HIDDEN, rngs=nnx.Rngs(0)), lambda x: jax.nn.gelu(x, approximate=False),
+                           nnx.Linear(HIDDEN, OUT, rngs=nnx.Rngs(1)))
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((GLOBAL_BATCH // 2, IN), dtype=np.float32), rng.integers(0, OUT, GLOBAL_BATCH // 2)
+
+    def leaves(p):
+        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(nnx.merge(graphdef, p)(x), y).mean()
+        return jax.tree.leaves(jax.value_and_grad(loss)(p))
+
+    forms = {"as they are": jax.jit(leaves),
+             "concatenated": jax.jit(lambda p: jnp.concatenate([jnp.ravel(g) for g in leaves(p)])),
+             "written in place": jax.jit(lambda p: _one_buffer(leaves(p), jnp.float32))}
+    times = {name: [] for name in forms}
+    for fn in forms.values():
+        jax.block_until_ready(fn(params))
+    for _ in range(args.rounds):
+        for name, fn in forms.items():
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                jax.block_until_ready(fn(params))
+            times[name].append((time.perf_counter() - started) / args.steps * 1e3)
+    result = {name: statistics.median(values) for name, values in times.items()}
+    result["rounds"] = times
+    print(f"ms per call, the MLP's gradients of one {GLOBAL_BATCH // 2}-row step (median of {args.rounds} alternating "
+          f"rounds of {args.steps}): " + ", ".join(f"{name} {result[name]:.2f}" for name in times))
     return result
 
 
@@ -286,11 +341,13 @@ def main():
         worker(rank, port, torch_port, rounds, steps, sys.argv[7])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=("ddp", "allreduce", "processes"))
+    parser.add_argument("which", choices=("ddp", "allreduce", "flatten", "processes"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--xla-flags", default="", help="more XLA flags for every JAX step of the ddp / allreduce "
+                                                         "workers, e.g. --xla_cpu_multi_thread_eigen=true")
     args = parser.parse_args()
-    result = {"ddp": ddp, "allreduce": allreduce, "processes": processes}[args.which](args)
+    result = {"ddp": ddp, "allreduce": allreduce, "flatten": flatten, "processes": processes}[args.which](args)
     print(json.dumps({"benchmark": f"distributed {args.which}", **result}))
 
 
