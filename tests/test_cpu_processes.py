@@ -160,3 +160,30 @@ def test_two_processes_on_a_data_parallel_mesh_equal_one_process(tmp_path):
     one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
     assert sorted(two) == list(range(1, 13))
     np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", [lambda: jaxpar.LocalSGD(period=2), lambda: jaxpar.SSP(staleness=1)])
+def test_explicit_strategies_on_several_cpu_processes_send_parameters_or_gradients_as_one_array(strategy,
+                                                                                              monkeypatch):
+    """Local SGD's meeting (the parameter average) and SSP's update (participants' gradients, metrics and count)
+    go as one flat array too, with the same result."""
+    all_params = 4 * (8 * 16 + 16 + 16 * 3 + 3)
+
+    def run(steps=4):
+        trainer = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("8"),
+                                 strategy=strategy())
+        state = trainer.init(0)
+        for step in range(steps):
+            state, _ = trainer.step(state, batch(step), step)
+        plans = [trainer.strategy.plan(trainer.ctx, step) for step in range(steps)]  # the meeting: step 1
+        largest = max(size for plan in plans for op in collective_ops(
+            trainer.compiled_step(plan.variant, batch(0), plan.inputs)) for _, size in op.arrays)
+        return largest, jax.tree.leaves(trainer.params(state))
+
+    largest, params = run()
+    assert largest < all_params  # one array per parameter
+    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
+    largest, flat_params = run()
+    assert largest >= all_params  # every parameter (or gradient) in one array
+    for a, b in zip(flat_params, params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -198,8 +198,9 @@ def _fused_mean(leaves, axis_name, n, algorithm, torus):
     return _per_flat_buffer(leaves, mean_of_flat)
 
 
-def pmean_in_one_buffer(tree, axis_name: str):
-    """`lax.pmean(tree, axis_name)`, sent as one flat buffer per dtype: one all-reduce of one array each.
+def pmean_in_one_buffer(tree, axis_name: str, reduce=lax.pmean):
+    """`lax.pmean(tree, axis_name)` (or `reduce`, e.g. `lax.psum`), sent as one flat buffer per dtype: one
+    all-reduce of one array each.
 
     XLA combines the all-reduces of several leaves into one all-reduce of several arrays; XLA:CPU runs that as one
     gloo all-reduce per array (a TCP round trip each), so across processes the flat buffer is several times faster
@@ -207,7 +208,7 @@ def pmean_in_one_buffer(tree, axis_name: str):
     replica (flattening a sharded leaf would all-gather it first).
     """
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, _per_flat_buffer(leaves, lambda flat, dtype: lax.pmean(flat, axis_name)))
+    return jax.tree.unflatten(treedef, _per_flat_buffer(leaves, lambda flat, dtype: reduce(flat, axis_name)))
 
 
 def allreduce_mean(tree, axis_name: str, algorithm: str = "psum", *, torus_x: int | None = None):
