@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.cost.hlo import collective_ops
-from jaxpar.parallel.collectives import pmean_in_one_buffer
+from jaxpar.parallel.collectives import allreduce_in_one_buffer
 from jaxpar.parallel.mesh import REPLICA_AXIS
 from jaxpar.parallel.partitioning import PER_REPLICA
 from jaxpar.runtime import distributed
@@ -56,7 +56,7 @@ def all_reduces(trainer):
     return [op for op in collective_ops(trainer.compiled_step("sync", batch(0))) if op.kind == "all-reduce"]
 
 
-def test_pmean_in_one_buffer_equals_pmean_with_one_single_array_all_reduce_per_dtype():
+def test_allreduce_in_one_buffer_equals_pmean_with_one_single_array_all_reduce_per_dtype():
     mesh = jaxpar.make_mesh("8")
     tree = {"a": jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 2, 3), "b": jnp.arange(8.0) ** 2,
             "c": jnp.arange(8 * 4, dtype=jnp.bfloat16).reshape(8, 4)}
@@ -65,7 +65,7 @@ def test_pmean_in_one_buffer_equals_pmean_with_one_single_array_all_reduce_per_d
         return jax.jit(jax.shard_map(lambda t: mean(t, REPLICA_AXIS), mesh=mesh, in_specs=PER_REPLICA,
                                      out_specs=PER_REPLICA))
 
-    fused, native = averaged(pmean_in_one_buffer), averaged(jax.lax.pmean)
+    fused, native = averaged(allreduce_in_one_buffer), averaged(jax.lax.pmean)
     for key, value in fused(tree).items():
         np.testing.assert_allclose(np.asarray(value, np.float32), np.asarray(native(tree)[key], np.float32),
                                    rtol=1e-6)

@@ -198,8 +198,8 @@ def _fused_mean(leaves, axis_name, n, algorithm, torus):
     return _per_flat_buffer(leaves, mean_of_flat)
 
 
-def pmean_in_one_buffer(tree, axis_name: str, reduce=lax.pmean):
-    """`lax.pmean(tree, axis_name)` (or `reduce`, e.g. `lax.psum`), sent as one flat buffer per dtype: one
+def allreduce_in_one_buffer(tree, axis_name: str, reduce=lax.pmean):
+    """`reduce(tree, axis_name)` (`lax.pmean` by default, or `lax.psum`), sent as one flat buffer per dtype: one
     all-reduce of one array each.
 
     XLA combines the all-reduces of several leaves into one all-reduce of several arrays; XLA:CPU runs that as one

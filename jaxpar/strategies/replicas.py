@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.collectives import pmean_in_one_buffer
+from jaxpar.parallel.collectives import allreduce_in_one_buffer
 from jaxpar.runtime.distributed import one_buffer_gradients
 from jaxpar.train.faults import finite_within, select_tree
 from jaxpar.train.step import loss_and_grad
@@ -53,7 +53,7 @@ def mean_params_like(ctx, tree, comm_state=()):
     if _single_replica():
         return tree, comm_state
     if comm.native and one_buffer_gradients(ctx.mesh):
-        return pmean_in_one_buffer(tree, AXIS), comm_state
+        return allreduce_in_one_buffer(tree, AXIS), comm_state
     if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return comm.mean(tree, comm_state, AXIS)
     specs = shd.within_replica_specs(ctx.param_shardings)
@@ -166,7 +166,7 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     if average and mean_metrics and ctx.communicator.native and not _single_replica():
         # XLA's all-reduce: gradients and metrics (and a server update's participant count) in ONE all-reduce
         if weight is None:
-            mean = pmean_in_one_buffer if one_buffer_gradients(ctx.mesh) else lax.pmean
+            mean = allreduce_in_one_buffer if one_buffer_gradients(ctx.mesh) else lax.pmean
             grads, metrics = mean((grads, metrics), AXIS)
         else:
             grads, metrics = _weighted_mean_in_one(grads, metrics, weight, one_buffer_gradients(ctx.mesh))
@@ -200,7 +200,7 @@ def _weighted_mean_in_one(grads, metrics, weight, one_buffer: bool = False):
     taking_part = weight > 0
     masked = jax.tree.map(lambda x: jnp.where(taking_part, x, jnp.zeros_like(x)), (grads, metrics))
     both = (masked, taking_part.astype(jnp.float32))
-    total, count = pmean_in_one_buffer(both, AXIS, reduce=lax.psum) if one_buffer else lax.psum(both, AXIS)
+    total, count = allreduce_in_one_buffer(both, AXIS, reduce=lax.psum) if one_buffer else lax.psum(both, AXIS)
     count = jnp.maximum(count, 1.0)
     return jax.tree.map(lambda x: (x / count).astype(x.dtype), total)
 
