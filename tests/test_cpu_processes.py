@@ -1,7 +1,8 @@
 """Gradients across CPU processes in one flat buffer (jaxpar.runtime.distributed.one_buffer_gradients).
 
-XLA:CPU runs an all-reduce of several arrays as one gloo all-reduce per array; on several CPU processes a pure
-data-parallel Sync() step therefore averages gradients and loss as one flat buffer per dtype. Here (one process,
+XLA:CPU runs an all-reduce of several arrays as one gloo all-reduce per array; on several CPU processes, on a pure
+data-parallel mesh, the explicit averages (Sync("psum"), local SGD's meetings, SSP / ASP) therefore send one flat
+buffer per dtype. The default Sync() keeps the compiler's step, exactly the single-device computation. Here (one process,
 8 devices) the decision is forced on and the compiled step is read; a real 2-process run checks it is on there."""
 
 import os
@@ -47,15 +48,6 @@ def batch(step):
     return {"x": rng.standard_normal((32, 8), dtype=np.float32), "y": rng.integers(0, 3, 32).astype(np.int32)}
 
 
-@pytest.fixture
-def several_cpu_processes(monkeypatch):
-    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
-
-
-def all_reduces(trainer):
-    return [op for op in collective_ops(trainer.compiled_step("sync", batch(0))) if op.kind == "all-reduce"]
-
-
 def test_allreduce_in_one_buffer_equals_pmean_with_one_single_array_all_reduce_per_dtype():
     mesh = jaxpar.make_mesh("8")
     tree = {"a": jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 2, 3), "b": jnp.arange(8.0) ** 2,
@@ -84,31 +76,68 @@ def test_one_buffer_only_on_several_cpu_processes_and_a_pure_data_parallel_mesh(
     assert not distributed.one_buffer_gradients(jaxpar.make_mesh("data=4,fsdp=2"))
 
 
-def test_default_sync_on_several_cpu_processes_sends_one_flat_buffer_and_equals_the_compiler_step(monkeypatch):
-    def trained(steps=3):
-        trainer = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.adamw(1e-2), mesh=jaxpar.make_mesh("8"))
-        state = trainer.init(0)
-        for step in range(steps):
-            state, metrics = trainer.step(state, batch(step))
-        return trainer, state, float(metrics["loss"])
+class DropoutMLP(nnx.Module):  # no RNG streams of its own: the step's rngs draw the masks (as the lm1b example)
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(8, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
 
-    compiler, compiler_state, compiler_loss = trained()
-    assert [len(op.arrays) for op in all_reduces(compiler)] == [5]  # 4 gradients + the loss, one array each
+    def __call__(self, x, rngs):
+        return self.out(self.dropout(jax.nn.gelu(self.hidden(x)), rngs=rngs))
+
+
+def masked_mean_loss(model, batch, rngs):
+    """A mean over the valid rows only: replica r (4 rows each on mesh 8) has (r % 4) + 1 of them, so the mean of
+    the replicas' own means is NOT this loss."""
+    per_row = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"], rngs), batch["y"])
+    return (per_row * batch["valid"]).sum() / batch["valid"].sum(), {}
+
+
+def masked_batch(step):
+    rows = np.arange(32)
+    return {**batch(step), "valid": ((rows % 4) <= (rows // 4) % 4).astype(np.float32)}
+
+
+def trained(strategy=None, model=MLP, loss=loss_fn, batches=batch, steps=3):
+    trainer = jaxpar.Trainer(model=model, loss_fn=loss, optimizer=optax.adamw(1e-2), mesh=jaxpar.make_mesh("8"),
+                             strategy=strategy)
+    state, losses = trainer.init(0), []
+    for step in range(steps):
+        state, metrics = trainer.step(state, batches(step))
+        losses.append(float(metrics["loss"]))
+    ops = collective_ops(trainer.compiled_step("sync", batches(0)))
+    return [len(op.arrays) for op in ops if op.kind == "all-reduce"], losses, jax.tree.leaves(trainer.params(state))
+
+
+def test_default_sync_on_several_cpu_processes_stays_the_compiler_step_with_dropout_and_a_masked_mean(monkeypatch):
+    """The default Sync() is the single-device computation on every mesh, several CPU processes included: dropout
+    masks drawn for the global batch and the global masked mean differentiated, bit for bit the same losses and
+    parameters as with one process. (The per-replica step the decision once switched to fails this: its masks come
+    from fold_in(key, replica) and it averages the replicas' own masked means.)"""
+    arrays, losses, params = trained(model=DropoutMLP, loss=masked_mean_loss, batches=masked_batch)
     monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
-    flat, flat_state, flat_loss = trained()
-    assert [len(op.arrays) for op in all_reduces(flat)] == [1]
-    assert all_reduces(flat)[0].bytes == 4 * (8 * 16 + 16 + 16 * 3 + 3 + 1)  # every gradient and the loss
-    np.testing.assert_allclose(flat_loss, compiler_loss, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(flat.params(flat_state)), jax.tree.leaves(compiler.params(compiler_state))):
+    assert distributed.one_buffer_gradients(jaxpar.make_mesh("8"))
+    forced_arrays, forced_losses, forced_params = trained(model=DropoutMLP, loss=masked_mean_loss,
+                                                          batches=masked_batch)
+    assert forced_losses == losses
+    for a, b in zip(forced_params, params):
+        np.testing.assert_array_equal(a, b)
+    # the partitioner places the all-reduce at each gradient's producer, as with one process: the valid-row count
+    # (forward) alone, then the 4 gradients and the loss's sum combined into one all-reduce of 5 arrays
+    assert forced_arrays == arrays == [1, 5]
+
+
+def test_sync_psum_on_several_cpu_processes_sends_one_flat_buffer_and_equals_the_compiler_step(monkeypatch):
+    """Sync(allreduce="psum") (the explicit per-replica step) sends gradients and loss as one flat buffer there:
+    for a plain mean over examples without dropout, the compiler step's losses and parameters (rtol 1e-5)."""
+    compiler_arrays, compiler_losses, compiler_params = trained()
+    assert compiler_arrays == [5]  # 4 gradients + the loss, one array each
+    monkeypatch.setattr(distributed, "_several_cpu_processes", lambda: True)
+    flat_arrays, flat_losses, flat_params = trained(Sync("psum"))
+    assert flat_arrays == [1]  # every gradient and the loss: 4 * (8*16 + 16 + 16*3 + 3 + 1) bytes
+    np.testing.assert_allclose(flat_losses, compiler_losses, rtol=1e-5)
+    for a, b in zip(flat_params, compiler_params):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_batch_norm_keeps_the_compiler_step_so_its_statistics_stay_global(several_cpu_processes):
-    trainer = jaxpar.Trainer(model=lambda rngs: MLP(rngs, batch_norm=True), loss_fn=loss_fn,
-                             optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("8"))
-    assert Sync.compiler_step_on(trainer.ctx)
-    plain = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("8"))
-    assert not Sync.compiler_step_on(plain.ctx)
 
 
 WORKER = """
@@ -140,8 +169,8 @@ def test_two_cpu_processes_turn_one_buffer_gradients_on():
 
 
 def test_two_processes_on_a_data_parallel_mesh_equal_one_process(tmp_path):
-    """run.py under the launcher, --mesh 2 over 2 processes (the one-buffer step) against 1 process (the compiler's
-    step): the same losses (rtol 1e-5), 12 steps of the MLP without dropout."""
+    """run.py under the launcher, --mesh 2 over 2 processes against 1 process (the compiler's step in both): the
+    same losses (rtol 1e-5), 12 steps of the MLP without dropout."""
     import json
 
     import run

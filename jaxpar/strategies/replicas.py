@@ -129,12 +129,6 @@ def unfold_rng_keys(new_model_state, original_model_state):
     return _map_rng_keys(lambda v: next(originals), new_model_state)
 
 
-def has_batch_stats(graphdef) -> bool:
-    """Whether the model (its `nnx.GraphDef`) holds BatchNorm statistics."""
-    return any(isinstance(getattr(n, "type", None), type) and issubclass(n.type, nnx.BatchStat)
-               for n in graphdef.nodes)
-
-
 def mean_batch_stats(model_state, weight=None):
     """Averages BatchNorm statistics (and nothing else: a user's EMA or cache stays per replica) over replicas."""
     leaves, treedef = jax.tree.flatten(model_state, is_leaf=shd.is_variable)

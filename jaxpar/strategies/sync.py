@@ -17,7 +17,6 @@ from __future__ import annotations
 
 
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.collectives import communicator as make_communicator
 from jaxpar.parallel.partitioning import constrain, gathered_over
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
@@ -70,23 +69,11 @@ class Sync(StrategyBase):
         return [self._exchange("gradients", gradient_bytes)]
 
     def steps(self, ctx):
-        if self.communicator is None and self.compiler_step_on(ctx):
-            return {"sync": Variant(self._compiler_step(ctx))}
-        if self.communicator is None:  # several CPU processes: the explicit step, gradients in one flat buffer
-            ctx = ctx._replace(communicator=make_communicator("psum"))
-        return {"sync": Variant(self._explicit_step(ctx))}
-
-    @staticmethod
-    def compiler_step_on(ctx) -> bool:
-        """Whether the default Sync() runs the compiler's step (the whole global batch in one jit; the partitioner
-        inserts the gradient all-reduce): everywhere except on several CPU processes with a pure data-parallel mesh
-        (`jaxpar.runtime.distributed.one_buffer_gradients`) and a model without BatchNorm statistics. There the
-        compiler's all-reduce of N gradient arrays costs N gloo round trips, and the explicit step (one replica per
-        device, gradients and loss averaged as one flat buffer) is what runs: the same update for a loss that is a
-        mean over examples; dropout draws each replica's masks from fold_in(step key, replica)."""
-        from jaxpar.runtime.distributed import one_buffer_gradients
-
-        return not one_buffer_gradients(ctx.mesh) or rep.has_batch_stats(ctx.graphdef)
+        # The default stays the compiler's step on every mesh, also on several CPU processes where XLA:CPU sends
+        # each gradient array of its combined all-reduce as its own gloo call: the explicit per-replica step would
+        # send one flat buffer but changes the math (per-replica dropout masks; a mean of per-replica losses is the
+        # global loss only for a plain mean over examples). docs/processes.md, "Measured".
+        return {"sync": Variant(self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx))}
 
     def _compiler_step(self, ctx):
         zero3 = mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1
