@@ -11,8 +11,8 @@ against 2 processes x 4 devices on the default transformer.
 (torch.distributed, gloo). The same model (256-1024-10, GELU), global batch 512 (256 rows per process), AdamW
 (lr 1e-3), cross-entropy. Rounds alternate in the same two processes (jaxpar, torch, jaxpar, ...), so machine noise
 hits both alike; each round is --steps steps timed to the end of its last update. Both use one compute thread per
-process (XLA: no Eigen multithreading; torch.set_num_threads(1)): 2 processes on 2 cores. Four contenders: jaxpar
-(the default Trainer), torch DDP, the hand-written `jax.jit` step (the compiler inserts the gradient all-reduce) and
+process (XLA: no Eigen multithreading; torch.set_num_threads(1)): 2 processes on 2 cores. Five contenders: jaxpar
+(the default Trainer: the compiler's step), jaxpar with Sync("psum") (the explicit step: one flat buffer), torch DDP, the hand-written `jax.jit` step (the compiler inserts the gradient all-reduce) and
 a hand-written one-buffer step (shard_map, gradients and loss raveled into one buffer, one pmean). Prints the median
 samples/s of each and jaxpar's ratio to each, and one JSON line.
 
@@ -79,6 +79,9 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
              "y": rng.integers(0, OUT, local).astype(np.int32)}
     assert list(trainer.local_rows(GLOBAL_BATCH)) == list(range(rank * local, (rank + 1) * local))
     state = trainer.init(0)
+    psum_trainer = jaxpar.Trainer(model=MLP, loss_fn=loss_fn, optimizer=optax.adamw(1e-3),
+                                  mesh=jaxpar.make_mesh("2"), strategy=jaxpar.Sync("psum"))
+    psum_state = psum_trainer.init(0)
 
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.GELU(),
                                                         torch.nn.Linear(HIDDEN, OUT)))
@@ -89,6 +92,12 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
         nonlocal state
         for _ in range(n):
             state, metrics = trainer.step(state, batch)
+        return float(metrics["loss"])
+
+    def psum_round(n):  # the explicit per-replica step: gradients and loss as one flat buffer
+        nonlocal psum_state
+        for _ in range(n):
+            psum_state, metrics = psum_trainer.step(psum_state, batch)
         return float(metrics["loss"])
 
     def torch_round(n):
@@ -158,10 +167,11 @@ def ddp_worker(rank: int, port: int, torch_port: int, rounds: int, steps: int, o
         return float(value)
 
     del placed
-    jax_round(3), torch_round(3), hand_round(3), flat_round(3)  # compile / warm up
-    rates = {"jaxpar": [], "torch_ddp": [], "jax_jit": [], "jax_flat": []}
+    jax_round(3), psum_round(3), torch_round(3), hand_round(3), flat_round(3)  # compile / warm up
+    rates = {"jaxpar": [], "jaxpar_psum": [], "torch_ddp": [], "jax_jit": [], "jax_flat": []}
     for _ in range(rounds):
-        for name, fn in (("jaxpar", jax_round), ("torch_ddp", torch_round), ("jax_jit", hand_round),
+        for name, fn in (("jaxpar", jax_round), ("jaxpar_psum", psum_round), ("torch_ddp", torch_round),
+                         ("jax_jit", hand_round),
                          ("jax_flat", flat_round)):
             dist.barrier()
             started = time.perf_counter()
@@ -179,11 +189,12 @@ def ddp(args) -> dict:
     result["ratio_jaxpar_to_ddp"] = result["jaxpar"] / result["torch_ddp"]
     result["ratio_jaxpar_to_jax_jit"] = result["jaxpar"] / result["jax_jit"]
     result["ratio_jaxpar_to_jax_flat"] = result["jaxpar"] / result["jax_flat"]
+    result["ratio_jaxpar_psum_to_ddp"] = result["jaxpar_psum"] / result["torch_ddp"]
     result["rounds"] = rates
     print(f"2 processes x 1 CPU device, MLP {IN}-{HIDDEN}-{OUT} GELU, global batch {GLOBAL_BATCH}, AdamW: "
-          f"jaxpar {result['jaxpar']:.0f} samples/s, torch DDP {result['torch_ddp']:.0f}, hand-written jax.jit "
+          f"jaxpar {result['jaxpar']:.0f} samples/s, jaxpar Sync('psum') {result['jaxpar_psum']:.0f}, torch DDP {result['torch_ddp']:.0f}, hand-written jax.jit "
           f"{result['jax_jit']:.0f}, hand-written one-buffer step {result['jax_flat']:.0f}; jaxpar / DDP "
-          f"{result['ratio_jaxpar_to_ddp']:.3f}, jaxpar / jit {result['ratio_jaxpar_to_jax_jit']:.3f}, jaxpar / "
+          f"{result['ratio_jaxpar_to_ddp']:.3f}, Sync('psum') / DDP {result['ratio_jaxpar_psum_to_ddp']:.3f}, jaxpar / jit {result['ratio_jaxpar_to_jax_jit']:.3f}, jaxpar / "
           f"one-buffer {result['ratio_jaxpar_to_jax_flat']:.3f} (median of {args.rounds} alternating rounds of "
           f"{args.steps} steps)")
     return result
