@@ -12,6 +12,13 @@ With no arguments, `initialize` takes its settings from the environment: first t
 sets (`JAXPAR_COORDINATOR`, `JAXPAR_NUM_PROCESSES`, `JAXPAR_PROCESS_ID`, `JAXPAR_LOCAL_DEVICES`), then JAX's own
 cluster detection (SLURM, Open MPI, Kubernetes, ...). Outside any of these it does nothing: one process.
 
+Gradients across processes on CPU: XLA:CPU runs a combined all-reduce (one HLO all-reduce of several arrays) as one
+gloo all-reduce per array, each a TCP round trip (the MLP's 5 gradient arrays: 14.33 ms, the same bytes as one
+array: 2.46 ms). So on several CPU processes, on a pure data-parallel mesh, the explicit averages (`Sync(allreduce=
+"psum")`, local SGD / DiLoCo meetings, SSP / ASP updates) send ONE flat buffer per dtype (`one_buffer_gradients`;
+docs/processes.md, "Measured"). The default `Sync()` keeps the compiler's step (exactly the single-device
+computation): its all-reduce is placed by the partitioner, one array per gradient.
+
 Failure: each process sends the coordinator a heartbeat; a process that stops for `heartbeat_seconds` is declared
 lost and every other process is told so and stops (see `HEARTBEAT_SECONDS`). A collective whose peer died fails at
 once over gloo (its connection closes), so no process waits in a collective for a dead peer.
@@ -151,6 +158,21 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                                shutdown_timeout_seconds=shutdown_seconds)
     _started = {"coordinator": coordinator, "num_processes": jax.process_count(), "process_id": jax.process_index()}
     return True
+
+
+def _several_cpu_processes() -> bool:
+    """The backend is XLA:CPU (collectives over gloo) and this run spans several processes."""
+    return jax.default_backend() == "cpu" and jax.process_count() > 1
+
+
+def one_buffer_gradients(mesh) -> bool:
+    """The one decision whether an explicit average over the replica axis (a native communicator's gradient or
+    parameter mean, not the compiler's step) is sent as one flat buffer per dtype: on CPU across several processes (XLA:CPU sends each array of a combined all-reduce as its own gloo
+    all-reduce: 5 arrays cost 5 round trips), on a pure data-parallel mesh (every axis but the replica axis of size
+    1: flattening an fsdp- or model-sharded gradient would first all-gather it)."""
+    from jaxpar.parallel import mesh as mesh_lib
+
+    return mesh_lib.size(mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1 and _several_cpu_processes()
 
 
 def _set_cpu_devices(count: int) -> None:

@@ -21,6 +21,8 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
+from jaxpar.parallel.collectives import allreduce_in_one_buffer
+from jaxpar.runtime.distributed import one_buffer_gradients
 from jaxpar.train.faults import finite_within, select_tree
 from jaxpar.train.step import loss_and_grad
 
@@ -51,6 +53,8 @@ def mean_params_like(ctx, tree, comm_state=()):
     comm = ctx.communicator
     if _single_replica():
         return tree, comm_state
+    if comm.native and one_buffer_gradients(ctx.mesh):
+        return allreduce_in_one_buffer(tree, AXIS), comm_state
     if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1 or not getattr(
             comm, "per_shard", True):  # (PowerSGD's matrices stay whole: the compiler shards its matmuls)
         return comm.mean(tree, comm_state, AXIS)
@@ -157,9 +161,10 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     if average and mean_metrics and ctx.communicator.native and not _single_replica():
         # XLA's all-reduce: gradients and metrics (and a server update's participant count) in ONE all-reduce
         if weight is None:
-            grads, metrics = lax.pmean((grads, metrics), AXIS)
+            mean = allreduce_in_one_buffer if one_buffer_gradients(ctx.mesh) else lax.pmean
+            grads, metrics = mean((grads, metrics), AXIS)
         else:
-            grads, metrics = _weighted_mean_in_one(grads, metrics, weight)
+            grads, metrics = _weighted_mean_in_one(grads, metrics, weight, one_buffer_gradients(ctx.mesh))
         return grads, mean_batch_stats(new_state, weight), metrics, comm_state
     if average:
         grads, comm_state = mean_over(ctx, grads, weight, params_like=True, comm_state=comm_state)
@@ -183,13 +188,14 @@ def guard_meeting(ctx, old, new, metrics):
     return _keep_or_flag(ctx, finite_within(new[1]), old, new, metrics)
 
 
-def _weighted_mean_in_one(grads, metrics, weight):
+def _weighted_mean_in_one(grads, metrics, weight, one_buffer: bool = False):
     """The participants' mean of the gradients and of the metrics, with one all-reduce over the replicas (a
     participant count rides along): SSP / ASP pay one latency term per update, not two. Non-participants
     are masked with a select (0 x NaN would be NaN)."""
     taking_part = weight > 0
     masked = jax.tree.map(lambda x: jnp.where(taking_part, x, jnp.zeros_like(x)), (grads, metrics))
-    total, count = lax.psum((masked, taking_part.astype(jnp.float32)), AXIS)
+    both = (masked, taking_part.astype(jnp.float32))
+    total, count = allreduce_in_one_buffer(both, AXIS, reduce=lax.psum) if one_buffer else lax.psum(both, AXIS)
     count = jnp.maximum(count, 1.0)
     return jax.tree.map(lambda x: (x / count).astype(x.dtype), total)
 

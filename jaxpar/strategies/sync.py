@@ -80,6 +80,10 @@ class Sync(StrategyBase):
         return [self._exchange("gradients", gradient_bytes)]
 
     def steps(self, ctx):
+        # The default stays the compiler's step on every mesh, also on several CPU processes where XLA:CPU sends
+        # each gradient array of its combined all-reduce as its own gloo call: the explicit per-replica step would
+        # send one flat buffer but changes the math (per-replica dropout masks; a mean of per-replica losses is the
+        # global loss only for a plain mean over examples). docs/processes.md, "Measured".
         return {"sync": Variant(self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx))}
 
     def _compiler_step(self, ctx):
