@@ -1,6 +1,16 @@
 """Numerical faults and silent corruption: skip a non-finite step, and check that replicated copies agree.
 
-- `keep_if_finite(old, new, metrics)`: inside the jitted step, keeps `old` (bit-identical) when the loss or any
+- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded
+  BEFORE it is applied: the loss, the optimizer's output (updates and new optimizer state) and the new model state
+  must be finite. Non-finite gradients reach the updates (and an optimizer that turns finite gradients into a
+  non-finite update is caught too, as when the updated state was checked). Under skip the old parameters are kept
+  by a select that fuses into `params + updates`; otherwise the metric `nonfinite` flags the step. The checked
+  values are the same on every replica (gradients are averaged first), so the data axis is never asked: the flag
+  needs a collective only over the axes the parameters are split over (fsdp, model), one 4-byte all-reduce, which
+  no formulation avoids (docs/faults.md: after the last collective over those axes each device still computes
+  gradient blocks that no other device sees).
+- `keep_if_finite(old, new, metrics)`: the older check of the whole updated state, for variants that update inside
+  a replica-manual `shard_map` (local SGD's synchronous step): keeps `old` (bit-identical) when the loss or any
   floating-point leaf of the updated state is not finite; the step counter and run key still advance (the batch is
   consumed). Adds the metric `skipped` (1.0 or 0.0).
 - `ReplicaCheck`: one compiled function that fingerprints every device's local copy of every parameter; copies of
@@ -12,10 +22,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jaxpar.errors import ReplicaMismatch
 from jaxpar.names import named_leaves
@@ -63,6 +75,39 @@ def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
 
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=shd.REPLICATED,
                          check_vma=False)(*(x for x, _ in chosen))
+
+
+class Update(NamedTuple):
+    """A guarded optimizer step: the new fields (the old ones where `ok` is false, under skip), the verdict and the
+    metrics with `skipped` (skip) or `nonfinite` (flag only) added."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    ok: jax.Array  # bool scalar, the same on every device
+    metrics: dict
+
+
+def guarded_update(ctx, state, grads, model_state, metrics: dict) -> Update:
+    """`ctx.tx` applied to `state.params` with `grads` (already averaged over the replicas), checked before it is
+    applied (see the module docstring). `model_state`: the step's new non-parameter model state; `ctx`: the
+    strategy's `StepContext` (its shardings, mesh and `skip_nonfinite`). Outside any `shard_map`."""
+    updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
+    checked = (updates, opt_state, model_state)
+    shardings = (ctx.param_shardings, ctx.opt_shardings, ctx.model_state_shardings)
+    ok = jnp.isfinite(metrics["loss"]).all() & _all_finite(checked, shardings, ctx.mesh)
+    failed = (~ok).astype(jnp.float32)
+    new = (optax.apply_updates(state.params, updates), opt_state, model_state)
+    if not ctx.skip_nonfinite:
+        return Update(*new, ok, {**metrics, "nonfinite": failed})
+    # `ok` is known before the parameters are written: XLA fuses each select into its `params + updates`
+    kept = select_tree(ok, new, (state.params, state.opt_state, state.model_state))
+    return Update(*kept, ok, {**metrics, "skipped": failed})
+
+
+def keep_unless(ctx, ok, new, old):
+    """`new` where `ok` (or whenever `ctx.skip_nonfinite` is off), else `old`: the rest of a guarded step's state."""
+    return select_tree(ok, new, old) if ctx.skip_nonfinite else new
 
 
 def _select(ok, new, old):
