@@ -1,14 +1,16 @@
 """Numerical faults and silent corruption: skip a non-finite step, and check that replicated copies agree.
 
-- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded
-  BEFORE it is applied: the loss, the optimizer's output (updates and new optimizer state) and the new model state
-  must be finite. Non-finite gradients reach the updates (and an optimizer that turns finite gradients into a
-  non-finite update is caught too, as when the updated state was checked). Under skip the old parameters are kept
-  by a select that fuses into `params + updates`; otherwise the metric `nonfinite` flags the step. The checked
-  values are the same on every replica (gradients are averaged first), so the data axis is never asked: the flag
-  needs a collective only over the axes the parameters are split over (fsdp, model), one 4-byte all-reduce, which
-  no formulation avoids (docs/faults.md: after the last collective over those axes each device still computes
-  gradient blocks that no other device sees).
+- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded.
+  Skip (default): the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a
+  `lax.cond` runs it only if they are finite (no select over the state, no second pass over it). An optimizer that
+  turns finite gradients into a non-finite update (lr = inf) is not skipped: its parameters make the next step's
+  loss non-finite, which is skipped, and `StopIfDiverged(max_skips)` ends the run. Flag (`skip_nonfinite=False`,
+  `--on-nonfinite abort`): the loss and the updated state (parameters, optimizer and model state; non-finite
+  gradients reach it through the optimizer), so such an update is flagged at its own step and the run stops before it is checkpointed. The checked values are
+  the same on every replica (gradients are averaged first), so the data axis is never asked: the flag needs a
+  collective only over the axes the parameters are split over (fsdp, model), one 4-byte all-reduce, which no
+  formulation avoids (`benchmarks/guard_collectives.py`: after the last collective over those axes each device
+  still computes gradient blocks no other device sees).
 - `keep_if_finite(old, new, metrics)`: the older check of the whole updated state, for variants that update inside
   a replica-manual `shard_map` (local SGD's synchronous step): keeps `old` (bit-identical) when the loss or any
   floating-point leaf of the updated state is not finite; the step counter and run key still advance (the batch is
@@ -89,20 +91,33 @@ class Update(NamedTuple):
 
 
 def guarded_update(ctx, state, grads, model_state, metrics: dict) -> Update:
-    """`ctx.tx` applied to `state.params` with `grads` (already averaged over the replicas), checked before it is
-    applied (see the module docstring). `model_state`: the step's new non-parameter model state; `ctx`: the
-    strategy's `StepContext` (its shardings, mesh and `skip_nonfinite`). Outside any `shard_map`."""
+    """`ctx.tx` applied to `state.params` with `grads` (already averaged over the replicas), guarded (see the
+    module docstring). `model_state`: the step's new non-parameter model state; `ctx`: the strategy's
+    `StepContext` (its shardings, mesh and `skip_nonfinite`). Outside any `shard_map`.
+
+    Skip: the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a
+    `lax.cond` runs the optimizer only when they are finite (the skipped branch returns the old state as it is:
+    no select over the state, no second pass over it). Flag (abort): the loss and the updated state (parameters,
+    optimizer and model state), so that an optimizer turning finite gradients into a non-finite update is flagged
+    too."""
+    loss_ok = jnp.isfinite(metrics["loss"]).all()
+    if ctx.skip_nonfinite:
+        ok = loss_ok & _all_finite((grads, model_state), (ctx.param_shardings, ctx.model_state_shardings), ctx.mesh)
+
+        def apply(params, opt_state, new_model_state, old_model_state):
+            updates, opt_state = ctx.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, new_model_state
+
+        def keep(params, opt_state, new_model_state, old_model_state):
+            return params, opt_state, old_model_state
+
+        kept = lax.cond(ok, apply, keep, state.params, state.opt_state, model_state, state.model_state)
+        return Update(*kept, ok, {**metrics, "skipped": (~ok).astype(jnp.float32)})
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
-    checked = (updates, opt_state, model_state)
-    shardings = (ctx.param_shardings, ctx.opt_shardings, ctx.model_state_shardings)
-    ok = jnp.isfinite(metrics["loss"]).all() & _all_finite(checked, shardings, ctx.mesh)
-    failed = (~ok).astype(jnp.float32)
     new = (optax.apply_updates(state.params, updates), opt_state, model_state)
-    if not ctx.skip_nonfinite:
-        return Update(*new, ok, {**metrics, "nonfinite": failed})
-    # `ok` is known before the parameters are written: XLA fuses each select into its `params + updates`
-    kept = select_tree(ok, new, (state.params, state.opt_state, state.model_state))
-    return Update(*kept, ok, {**metrics, "skipped": failed})
+    # the updated state itself (non-finite gradients reach it through the optimizer): nothing is gated on the flag
+    ok = loss_ok & _all_finite(new, (ctx.param_shardings, ctx.opt_shardings, ctx.model_state_shardings), ctx.mesh)
+    return Update(*new, ok, {**metrics, "nonfinite": (~ok).astype(jnp.float32)})
 
 
 def keep_unless(ctx, ok, new, old):
