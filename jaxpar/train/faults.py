@@ -114,10 +114,10 @@ def guarded_update(ctx, state, grads, model_state, metrics: dict) -> Update:
         kept = lax.cond(ok, apply, keep, state.params, state.opt_state, model_state, state.model_state)
         return Update(*kept, ok, {**metrics, "skipped": (~ok).astype(jnp.float32)})
     updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
-    new = (optax.apply_updates(state.params, updates), opt_state, model_state)
-    # the updated state itself (non-finite gradients reach it through the optimizer): nothing is gated on the flag
-    ok = loss_ok & _all_finite(new, (ctx.param_shardings, ctx.opt_shardings, ctx.model_state_shardings), ctx.mesh)
-    return Update(*new, ok, {**metrics, "nonfinite": (~ok).astype(jnp.float32)})
+    # the optimizer's output (non-finite gradients reach it): nothing is gated on the flag
+    ok = loss_ok & _all_finite((updates, model_state), (ctx.param_shardings, ctx.model_state_shardings), ctx.mesh)
+    return Update(optax.apply_updates(state.params, updates), opt_state, model_state, ok,
+                  {**metrics, "nonfinite": (~ok).astype(jnp.float32)})
 
 
 def keep_unless(ctx, ok, new, old):
