@@ -73,3 +73,18 @@ def test_a_skipped_server_update_is_no_new_version():
         np.testing.assert_array_equal(a, b)
     state, metrics = trainer.step(state, batch_for("mlp", size=16), 1)
     assert float(metrics["skipped"]) == 0.0 and int(state.strategy_state["version"]) == 1
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "abort"])
+def test_under_skip_the_optimizer_runs_under_a_conditional_and_nothing_selects_the_state(skip):
+    """The old guard computed the update, checked it, then selected every state array between old and new; under
+    skip the optimizer now runs only when the gradients are finite (one `conditional`, no select of the
+    parameters); abort applies the update unconditionally and only flags it."""
+    trainer = trainer_for("mlp", "8", skip_nonfinite=skip)
+    text = trainer.compiled_step("sync", batch_for("mlp", 16)).as_text()
+    entry = text[text.index("ENTRY"):]
+    kernel_shape = "f32[64,32]"  # the hidden layer's kernel (TINY mlp), replicated on mesh 8
+    selects = [line for line in entry.splitlines() if "select" in line and line.split("=")[1].strip().startswith(
+        kernel_shape)]
+    assert ("conditional(" in entry) == skip
+    assert selects == []
