@@ -79,9 +79,10 @@ class Trainer:
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
       pipeline: how a model's `jaxpar.pipeline.Stack` runs over the mesh's stage axis (`jaxpar.pipeline.Pipeline`:
         schedule "gpipe", "circular" or "1f1b", microbatches, repeats); default GPipe with one microbatch.
-      skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
-        counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it and reports
-        `nonfinite` = 1.0 (`actions.StopIfDiverged` then stops before that state is checkpointed).
+      skip_nonfinite: a step whose loss, gradients or new model state are not finite leaves the state
+        bit-identical (the step counter still advances; the optimizer does not run) and reports `skipped` = 1.0 in
+        its metrics; False applies it and reports `nonfinite` = 1.0 when its loss or update is not finite
+        (`actions.StopIfDiverged` then stops before that state is checkpointed). See `jaxpar.train.faults`.
       batch_axis_names: axis names the model's own collectives use, as written for pmap (`lax.pmean(x, 'batch')`,
         Linen's `BatchNorm(axis_name='batch')`), e.g. `('batch',)`: bound with size 1 around the loss, so they
         reduce over the whole global batch under `Sync()` (sync BatchNorm) and over each replica's slice under the
