@@ -5,9 +5,9 @@
   `lax.cond` runs it only if they are finite (no select over the state, no second pass over it). An optimizer that
   turns finite gradients into a non-finite update (lr = inf) is not skipped: its parameters make the next step's
   loss non-finite, which is skipped, and `StopIfDiverged(max_skips)` ends the run. Flag (`skip_nonfinite=False`,
-  `--on-nonfinite abort`): the loss and the updated state (parameters, optimizer and model state; non-finite
-  gradients reach it through the optimizer), so such an update is flagged at its own step and the run stops before it is checkpointed. The checked values are
-  the same on every replica (gradients are averaged first), so the data axis is never asked: the flag needs a
+  `--on-nonfinite abort`): the loss, the optimizer's updates (non-finite gradients reach them) and the new model
+  state, so such an update is flagged at its own step and the run stops before it is checkpointed (an optimizer
+  state that alone overflows, with finite updates, is not looked at). The checked values are the same on every replica (gradients are averaged first), so the data axis is never asked: the flag needs a
   collective only over the axes the parameters are split over (fsdp, model), one 4-byte all-reduce, which no
   formulation avoids (`benchmarks/guard_collectives.py`: after the last collective over those axes each device
   still computes gradient blocks no other device sees).
@@ -97,9 +97,8 @@ def guarded_update(ctx, state, grads, model_state, metrics: dict) -> Update:
 
     Skip: the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a
     `lax.cond` runs the optimizer only when they are finite (the skipped branch returns the old state as it is:
-    no select over the state, no second pass over it). Flag (abort): the loss and the updated state (parameters,
-    optimizer and model state), so that an optimizer turning finite gradients into a non-finite update is flagged
-    too."""
+    no select over the state, no second pass over it). Flag (abort): the loss, the optimizer's updates and the new
+    model state, so that an optimizer turning finite gradients into a non-finite update is flagged too."""
     loss_ok = jnp.isfinite(metrics["loss"]).all()
     if ctx.skip_nonfinite:
         ok = loss_ok & _all_finite((grads, model_state), (ctx.param_shardings, ctx.model_state_shardings), ctx.mesh)
