@@ -1,16 +1,16 @@
 """Numerical faults and silent corruption: skip a non-finite step, and check that replicated copies agree.
 
-- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded.
-  Skip (default): the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a
-  `lax.cond` runs it only if they are finite (no select over the state, no second pass over it). An optimizer that
-  turns finite gradients into a non-finite update (lr = inf) is not skipped: its parameters make the next step's
-  loss non-finite, which is skipped, and `StopIfDiverged(max_skips)` ends the run. Flag (`skip_nonfinite=False`,
-  `--on-nonfinite abort`): the loss, the optimizer's updates (non-finite gradients reach them) and the new model
-  state, so such an update is flagged at its own step and the run stops before it is checkpointed (an optimizer
-  state that alone overflows, with finite updates, is not looked at). The checked values are the same on every replica (gradients are averaged first), so the data axis is never asked: the flag needs a
-  collective only over the axes the parameters are split over (fsdp, model), one 4-byte all-reduce, which no
-  formulation avoids (`benchmarks/guard_collectives.py`: after the last collective over those axes each device
-  still computes gradient blocks no other device sees).
+- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded. Skip
+  (default): the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a `lax.cond`
+  runs it only if they are finite (no select over the state, no second pass over it). An optimizer that turns finite
+  gradients into a non-finite update (lr = inf) is not skipped: its parameters make the next step's loss non-finite,
+  which is skipped, and `StopIfDiverged(max_skips)` ends the run. Flag (`skip_nonfinite=False`, `--on-nonfinite
+  abort`): the loss, the optimizer's updates (non-finite gradients reach them) and the new model state, so such an
+  update is flagged at its own step and the run stops before it is checkpointed (an optimizer state that alone
+  overflows, with finite updates, is not looked at). The checked values are the same on every replica (gradients are
+  averaged first), so the data axis is never asked: the flag needs a collective only over the axes the parameters are
+  split over (fsdp, model), one 4-byte all-reduce, which no formulation avoids (`benchmarks/guard_collectives.py`:
+  after the last collective over those axes each device still computes gradient blocks no other device sees).
 - `keep_if_finite(old, new, metrics)`: the older check of the whole updated state, for variants that update inside
   a replica-manual `shard_map` (local SGD's synchronous step): keeps `old` (bit-identical) when the loss or any
   floating-point leaf of the updated state is not finite; the step counter and run key still advance (the batch is
