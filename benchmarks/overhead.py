@@ -23,7 +23,11 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-skip", action="store_true",
-                        help="Trainer(skip_nonfinite=False): leave out the non-finite-step guard (on by default)")
+                        help="Trainer(skip_nonfinite=False), the CLI's --on-nonfinite abort: flag a non-finite step "
+                             "instead of skipping it (skip is the default)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed rounds, cProfile this many trainer steps and print the host time per "
+                             "step of the functions that take the most")
     args = parser.parse_args()
     mesh = jaxpar.make_mesh(args.mesh)  # before anything touches JAX: provides the CPU devices
 
@@ -84,11 +88,37 @@ def main():
               "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
               "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
     result["ratio"] = result["jaxpar_steps_per_sec"] / result["hand_jit_steps_per_sec"]
+    # each round's ratio (the two ran back to back in it): the spread that machine noise leaves
+    result["round_ratios"] = sorted(a / b for a, b in zip(rates["jaxpar"], rates["hand_jit"]))
+    # best round of each: on a loaded machine the least disturbed estimate of what each step can do
+    result["best_ratio"] = max(rates["jaxpar"]) / max(rates["hand_jit"])
     print(f"{'':10s}{'steps/s (median of ' + str(args.rounds) + ')':>28s}")
     print(f"{'jaxpar':10s}{result['jaxpar_steps_per_sec']:28.2f}")
     print(f"{'hand jit':10s}{result['hand_jit_steps_per_sec']:28.2f}")
-    print(f"ratio jaxpar / hand-written: {result['ratio']:.3f}")
+    print(f"ratio jaxpar / hand-written: {result['ratio']:.3f} (per round: "
+          f"{', '.join(f'{r:.3f}' for r in result['round_ratios'])}; best round / best round "
+          f"{result['best_ratio']:.3f})")
     print(json.dumps(result))
+    if args.profile:
+        profile(trainer_step, args.profile)
+
+
+def profile(step, steps: int, top: int = 24):
+    """The host side of `steps` calls of `step` (run as the timed rounds run them): microseconds per step of the
+    functions with the most own time (the jitted call's C++ dispatch counts as its caller's own time)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    common.run_steps(step, steps)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    print(f"host time per step over {steps} steps (us): own, with callees; function")
+    for (path, line, name), (_, calls, own, cumulative, _) in rows:
+        print(f"{1e6 * own / steps:10.1f} {1e6 * cumulative / steps:10.1f}  {name} ({path.split('/')[-1]}:{line}, "
+              f"{calls / steps:g} calls/step)")
 
 
 def summarize(rows):

@@ -74,7 +74,7 @@ class Variant(NamedTuple):
     """One step variant of a strategy and what the trainer must know about it."""
 
     step: "StepFn"  # pure: (state, batch, inputs) -> (state, metrics)
-    guards_itself: bool = False  # it checks each replica's update for non-finite values itself (skip or flag)
+    guards_itself: bool = False  # it checks its update for non-finite values itself (skip or flag; `faults`)
     per_replica_metrics: bool = False  # its metrics are [R] arrays, one value per replica, left where they are
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from jaxpar.errors import JaxparError, OptionError
 from jaxpar.parallel.partitioning import bytes_per_device, stacked
 from jaxpar.runtime.resources import device_memory
-from jaxpar.train.step import apply_gradients, step_key
+from jaxpar.train.faults import guarded_update, keep_unless
+from jaxpar.train.step import step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
@@ -166,14 +167,17 @@ class SSP(StrategyBase):
             grads, model_state, metrics, comm_state = sharded(
                 versions, version, state.model_state, batch, step_key(state), inputs["participation"],
                 inputs["staleness"], state.comm_state)
-            params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
+            new = guarded_update(ctx, state, grads, model_state, metrics)
+            # a skipped update is no new version: the slot keeps what it held and the version stays
             slot = (version + 1) % buffer
-            versions = jax.tree.map(lambda buf, p: buf.at[slot].set(p), versions, params)
-            return state._replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state,
-                                  strategy_state={"versions": versions, "version": version + 1},
-                                  comm_state=comm_state), metrics
+            written = keep_unless(ctx, new.ok, new.params, jax.tree.map(lambda buf: buf[slot], versions))
+            versions = jax.tree.map(lambda buf, p: buf.at[slot].set(p), versions, written)
+            version = keep_unless(ctx, new.ok, version + 1, version)
+            return state._replace(step=state.step + 1, params=new.params, model_state=new.model_state,
+                                  opt_state=new.opt_state, strategy_state={"versions": versions, "version": version},
+                                  comm_state=keep_unless(ctx, new.ok, comm_state, state.comm_state)), new.metrics
 
-        return {"update": Variant(step)}
+        return {"update": Variant(step, guards_itself=True)}  # `guarded_update`: checked before it is applied
 
 
 class ASP(SSP):

@@ -25,7 +25,8 @@ from jaxpar.parallel.partitioning import communicator_specs, constrain, gathered
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
 from jaxpar.strategies.common import Clock, StrategyBase
-from jaxpar.train.step import TrainState, apply_gradients, loss_and_grad, step_key
+from jaxpar.train.faults import guarded_update, keep_unless
+from jaxpar.train.step import TrainState, loss_and_grad, step_key
 
 
 class Sync(StrategyBase):
@@ -84,7 +85,9 @@ class Sync(StrategyBase):
         # each gradient array of its combined all-reduce as its own gloo call: the explicit per-replica step would
         # send one flat buffer but changes the math (per-replica dropout masks; a mean of per-replica losses is the
         # global loss only for a plain mean over examples). docs/processes.md, "Measured".
-        return {"sync": Variant(self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx))}
+        # both check the update before applying it (`guarded_update`): no collective over data for the guard
+        step = self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx)
+        return {"sync": Variant(step, guards_itself=True)}
 
     def _compiler_step(self, ctx):
         zero3 = mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1
@@ -101,9 +104,9 @@ class Sync(StrategyBase):
                 ctx.graphdef, ctx.loss_fn, params, state.model_state, batch, step_key(state), ctx.grad_accum)
             if zero3:
                 grads = constrain(grads, ctx.param_shardings)
-            params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
-            return state._replace(step=state.step + 1, params=params, model_state=model_state,
-                                  opt_state=opt_state), {"loss": loss, **metrics}
+            new = guarded_update(ctx, state, grads, model_state, {"loss": loss, **metrics})
+            return state._replace(step=state.step + 1, params=new.params, model_state=new.model_state,
+                                  opt_state=new.opt_state), new.metrics
 
         return step
 
@@ -119,8 +122,9 @@ class Sync(StrategyBase):
                                       out_specs=(same, same, same, comm))
             grads, model_state, metrics, comm_state = sharded(state.params, state.model_state, batch,
                                                               step_key(state), state.comm_state)
-            params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
-            return state._replace(step=state.step + 1, params=params, model_state=model_state,
-                                  opt_state=opt_state, comm_state=comm_state), metrics
+            new = guarded_update(ctx, state, grads, model_state, metrics)
+            return state._replace(step=state.step + 1, params=new.params, model_state=new.model_state,
+                                  opt_state=new.opt_state,
+                                  comm_state=keep_unless(ctx, new.ok, comm_state, state.comm_state)), new.metrics
 
         return step

@@ -1,6 +1,18 @@
 """Numerical faults and silent corruption: skip a non-finite step, and check that replicated copies agree.
 
-- `keep_if_finite(old, new, metrics)`: inside the jitted step, keeps `old` (bit-identical) when the loss or any
+- `guarded_update(ctx, state, grads, model_state, metrics)`: the optimizer step of Sync() and SSP / ASP, guarded. Skip
+  (default): the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a `lax.cond`
+  runs it only if they are finite (no select over the state, no second pass over it). An optimizer that turns finite
+  gradients into a non-finite update (lr = inf) is not skipped: its parameters make the next step's loss non-finite,
+  which is skipped, and `StopIfDiverged(max_skips)` ends the run. Flag (`skip_nonfinite=False`, `--on-nonfinite
+  abort`): the loss, the optimizer's updates (non-finite gradients reach them) and the new model state, so such an
+  update is flagged at its own step and the run stops before it is checkpointed (an optimizer state that alone
+  overflows, with finite updates, is not looked at). The checked values are the same on every replica (gradients are
+  averaged first), so the data axis is never asked: the flag needs a collective only over the axes the parameters are
+  split over (fsdp, model), one 4-byte all-reduce, which no formulation avoids (`benchmarks/guard_collectives.py`:
+  after the last collective over those axes each device still computes gradient blocks no other device sees).
+- `keep_if_finite(old, new, metrics)`: the older check of the whole updated state, for variants that update inside
+  a replica-manual `shard_map` (local SGD's synchronous step): keeps `old` (bit-identical) when the loss or any
   floating-point leaf of the updated state is not finite; the step counter and run key still advance (the batch is
   consumed). Adds the metric `skipped` (1.0 or 0.0).
 - `ReplicaCheck`: one compiled function that fingerprints every device's local copy of every parameter; copies of
@@ -12,10 +24,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jaxpar.errors import ReplicaMismatch
 from jaxpar.names import named_leaves
@@ -63,6 +77,51 @@ def _all_finite(tree, shardings, mesh, every_axis: bool = False) -> jax.Array:
 
     return jax.shard_map(local, mesh=mesh, in_specs=tuple(spec for _, spec in chosen), out_specs=shd.REPLICATED,
                          check_vma=False)(*(x for x, _ in chosen))
+
+
+class Update(NamedTuple):
+    """A guarded optimizer step: the new fields (the old ones where `ok` is false, under skip), the verdict and the
+    metrics with `skipped` (skip) or `nonfinite` (flag only) added."""
+
+    params: Any
+    opt_state: Any
+    model_state: Any
+    ok: jax.Array  # bool scalar, the same on every device
+    metrics: dict
+
+
+def guarded_update(ctx, state, grads, model_state, metrics: dict) -> Update:
+    """`ctx.tx` applied to `state.params` with `grads` (already averaged over the replicas), guarded (see the
+    module docstring). `model_state`: the step's new non-parameter model state; `ctx`: the strategy's
+    `StepContext` (its shardings, mesh and `skip_nonfinite`). Outside any `shard_map`.
+
+    Skip: the loss, the gradients and the new model state are checked BEFORE the optimizer runs, and a
+    `lax.cond` runs the optimizer only when they are finite (the skipped branch returns the old state as it is:
+    no select over the state, no second pass over it). Flag (abort): the loss, the optimizer's updates and the new
+    model state, so that an optimizer turning finite gradients into a non-finite update is flagged too."""
+    loss_ok = jnp.isfinite(metrics["loss"]).all()
+    if ctx.skip_nonfinite:
+        ok = loss_ok & _all_finite((grads, model_state), (ctx.param_shardings, ctx.model_state_shardings), ctx.mesh)
+
+        def apply(params, opt_state, new_model_state, old_model_state):
+            updates, opt_state = ctx.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, new_model_state
+
+        def keep(params, opt_state, new_model_state, old_model_state):
+            return params, opt_state, old_model_state
+
+        kept = lax.cond(ok, apply, keep, state.params, state.opt_state, model_state, state.model_state)
+        return Update(*kept, ok, {**metrics, "skipped": (~ok).astype(jnp.float32)})
+    updates, opt_state = ctx.tx.update(grads, state.opt_state, state.params)
+    # the optimizer's output (non-finite gradients reach it): nothing is gated on the flag
+    ok = loss_ok & _all_finite((updates, model_state), (ctx.param_shardings, ctx.model_state_shardings), ctx.mesh)
+    return Update(optax.apply_updates(state.params, updates), opt_state, model_state, ok,
+                  {**metrics, "nonfinite": (~ok).astype(jnp.float32)})
+
+
+def keep_unless(ctx, ok, new, old):
+    """`new` where `ok` (or whenever `ctx.skip_nonfinite` is off), else `old`: the rest of a guarded step's state."""
+    return select_tree(ok, new, old) if ctx.skip_nonfinite else new
 
 
 def _select(ok, new, old):

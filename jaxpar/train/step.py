@@ -203,8 +203,9 @@ def _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum):
 
 def guarded_step(variant, shardings, mesh, skip_nonfinite: bool):
     """The pure function a trainer jits for one strategy step variant: `variant.step`, then the non-finite check
-    over the state's `shardings` (keep the old state under skip, else flag), unless the variant checks each
-    replica itself (`variant.guards_itself`)."""
+    of the whole updated state over its `shardings` (keep the old state under skip, else flag), unless the variant
+    checks itself (`variant.guards_itself`: Sync and SSP / ASP check before the update, `faults.guarded_update`;
+    local SGD / DiLoCo each replica)."""
     def step(state: TrainState, batch, inputs):
         new, metrics = variant.step(state, batch, inputs)
         if variant.guards_itself:

@@ -82,9 +82,10 @@ class Trainer:
       eval_loss_fn: the loss for `evaluate` (default `loss_fn`), e.g. without label smoothing.
       pipeline: how a model's `jaxpar.pipeline.Stack` runs over the mesh's stage axis (`jaxpar.pipeline.Pipeline`:
         schedule "gpipe", "circular" or "1f1b", microbatches, repeats); default GPipe with one microbatch.
-      skip_nonfinite: a step whose loss or updated state is not finite leaves the state bit-identical (the step
-        counter still advances) and reports `skipped` = 1.0 in its metrics; False applies it and reports
-        `nonfinite` = 1.0 (`actions.StopIfDiverged` then stops before that state is checkpointed).
+      skip_nonfinite: a step whose loss, gradients or new model state are not finite leaves the state
+        bit-identical (the step counter still advances; the optimizer does not run) and reports `skipped` = 1.0 in
+        its metrics; False applies it and reports `nonfinite` = 1.0 when its loss or update is not finite
+        (`actions.StopIfDiverged` then stops before that state is checkpointed). See `jaxpar.train.faults`.
       batch_axis_names: axis names the model's own collectives use, as written for pmap (`lax.pmean(x, 'batch')`,
         Linen's `BatchNorm(axis_name='batch')`), e.g. `('batch',)`: bound with size 1 around the loss, so they
         reduce over the whole global batch under `Sync()` (sync BatchNorm) and over each replica's slice under the
@@ -135,6 +136,8 @@ class Trainer:
         self.step_flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
         self.step_costs: dict = {}  # variant -> its StepCost on `hardware` (the latest batch shape it compiled for)
         self._abstract_batch = None  # the latest batch's shapes: what a step variant is priced on before it runs
+        self._known_batches: dict = {}  # `_batch_shapes` of a checked batch -> (rows, signature, placed?)
+        self._last_step = (None, 0)  # (the step array of the state `dispatch` last returned, its step number)
         self._state_bytes: int | None = None
         for line in self.notes:
             log.warning(line)
@@ -275,9 +278,9 @@ class Trainer:
         if not isinstance(state, TrainState):
             raise StateError(f"state: got {type(state).__name__}; pass the TrainState from trainer.init or "
                              f"trainer.step")
-        # `step` donates the whole state at once, so one parameter tells (a full walk would cost every step)
-        first = next(iter(jax.tree.leaves(state.params)), None)
-        if isinstance(first, jax.Array) and first.is_deleted():
+        # `step` donates the whole state at once, so its step counter tells (a walk of the parameters would cost
+        # every step)
+        if isinstance(state.step, jax.Array) and state.step.is_deleted():
             raise StateError("state: its arrays were donated to an earlier call; `step` donates its state: use "
                              "the state it returned (state, metrics = trainer.step(state, batch))")
 
@@ -301,26 +304,44 @@ class Trainer:
 
     def dispatch(self, state: TrainState, batch, step_number: int | None = None) -> tuple[TrainState, dict, bool]:
         """`step` without reading anything back: (state, metrics as the step left them, whether they are per
-        replica). `fit` uses it to keep the device busy while it reads the previous step's metrics."""
+        replica). `fit` uses it to keep the device busy while it reads the previous step's metrics.
+
+        Host work per call is a few dictionary lookups (docs/benchmarks.md, host overhead): a batch is checked and
+        its signature built once per structure (keys, array types, shapes, dtypes), and the step number of a state
+        this trainer returned is remembered on the host, so `state.step` is never read back (that read waited for
+        the previous step and cost the overlap of host and device work)."""
         self.check_state(state)
-        batch, rows = self.batches.check(batch)
-        problem = indivisible_accum(rows, self.num_replicas, self.grad_accum)
-        if problem:
-            raise ConfigError(problem)
         if step_number is None:
-            step_number = int(jax.device_get(state.step))
+            known_step, known_number = self._last_step
+            step_number = known_number if state.step is known_step else int(jax.device_get(state.step))
         plan = self.strategy.plan(self.ctx, step_number)
-        placed = self.batches.place(batch)
-        signature = self._signature(plan.variant, placed)
+        shapes = self._batch_shapes(batch)
+        known = self._known_batches.get(shapes) if shapes is not None else None
+        if known is None:
+            checked, rows = self.batches.check(batch)
+            problem = indivisible_accum(rows, self.num_replicas, self.grad_accum)
+            if problem:
+                raise ConfigError(problem)
+            placed = self.batches.place(checked)
+            shape_key = self._signature("", placed)[1]
+            if shapes is not None:  # arrays already on the batch sharding need no placement next time either
+                in_place = all(placed[k] is v for k, v in batch.items())
+                self._known_batches[shapes] = (rows, shape_key, in_place)
+        else:
+            rows, shape_key, in_place = known
+            placed = batch if in_place else self.batches.place(batch)
+        signature = (plan.variant, shape_key)
         compiles = signature not in self._compiled
         try:  # the first call of a variant on a batch shape traces the model and the loss
-            self._check_step_memory(signature, plan, state, placed, rows, step_number)
+            if compiles or signature not in self._memory_checked:
+                self._check_step_memory(signature, plan, state, placed, rows, step_number)
             try:
                 state, metrics = self._steps[plan.variant](state, placed, plan.inputs)
             except jax.errors.JaxRuntimeError as error:  # e.g. the compiler or the device refused an allocation
                 raise device_error(error, step_number) from None
         except ModelCallError as error:
             raise at_step(error, step_number, placed) from error.__cause__
+        self._last_step = (state.step, step_number + 1)
         host = {**plan.host_metrics, "examples": float(rows * plan.work_fraction)}
         if self.clock is not None:
             host["sim_time"] = self.clock.time_after(self.num_replicas, step_number)
@@ -330,6 +351,24 @@ class Trainer:
         if compiles:  # this call compiled (the first step, a new batch shape, a new variant)
             host["compiled"] = 1.0
         return state, {**metrics, **host}, self.variants[plan.variant].per_replica_metrics
+
+    @staticmethod
+    def _batch_shapes(batch):
+        """What decides a batch's check, placement and compilation, cheap to build: a tuple of (key, array type,
+        shape, dtype, sharding of a placed array); None for anything but a dict of numpy / jax arrays (checked
+        every call)."""
+        if type(batch) is not dict:
+            return None
+        shapes = []
+        for key, value in batch.items():
+            kind = type(value)
+            if kind is np.ndarray:
+                shapes.append((key, kind, value.shape, value.dtype, None))
+            elif isinstance(value, jax.Array):
+                shapes.append((key, kind, value.shape, value.dtype, value.sharding))
+            else:
+                return None
+        return tuple(shapes)
 
     def _count_compilation(self, signature: tuple) -> None:
         """Counted on the host, outside the traced step: each (variant, batch shape) compiles once (jit caches it;
