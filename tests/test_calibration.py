@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import jaxpar
+from jaxpar import calibrate as cli
 from jaxpar.cost import calibration as cal
 from jaxpar.cost.hardware import Link, Profile, collective_seconds
 from jaxpar.cost.hlo import Collective
@@ -72,7 +73,7 @@ def test_the_measurements_run_on_the_devices():
 
 def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     out = tmp_path / "machine.json"
-    code = cal.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,2097152", "--matmul-sizes", "64",
+    code = cli.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,2097152", "--matmul-sizes", "64",
                      "--repeats", "1", "--trips", "2"])
     assert code == 0
     profile = json.loads(out.read_text())
@@ -94,7 +95,7 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
 ])
 def test_a_bad_argument_is_one_line_and_exit_2(argv, needle, capsys):
     try:
-        code = cal.main(argv)
+        code = cli.main(argv)
     except SystemExit as exit_:  # argparse's own checks (types) exit
         code = exit_.code
     assert code == 2

@@ -16,6 +16,9 @@ all-reduce's algorithm over nodes (ring or hierarchical); whether the gradient a
               step = compute + comm - overlap = forward + max(backward, G - tail) + tail + the other collectives
 
 The numbers are a projection onto the profile's hardware, not a measurement of the machine the run is on.
+
+Why about 300 lines: the profile, its `--hardware` parser and the step pricing are one contract (a field added to the
+profile is parsed and priced here); the formulas over nodes live in `pricing.py`, the JSON file in `profile_json.py`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Gradient averaging over the replica axis, with the allreduce algorithm as a choice (a communicator object).
 
 This is the only module that calls `lax.pmean` / `lax.ppermute` & co, so every byte the trainer sends between
-replicas goes through here and can be compared with `theoretical_traffic` (see `jaxpar.cost.explain`).
+replicas goes through here and can be compared with `theoretical_traffic` (see `jaxpar.cost.explain`). Why about
+380 lines: that ownership is the point, so the four algorithms, their sums and gathers (which the compression codecs
+in `compression.py` build on), the one-flat-buffer average across CPU processes and the `Communicator` object stay
+together; the codecs themselves live in `compression.py`.
 
 Algorithms (all return the same numbers as `lax.pmean`, up to float summation order):
 
