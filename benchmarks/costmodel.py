@@ -62,23 +62,14 @@ def label(model, fields, mesh, strategy, options) -> str:
 
 
 def measured_step_seconds(trainer, batch, steps: int, rounds: int) -> float:
-    state = trainer.init(0)
-    placed = trainer.shard_batch(batch)
-
-    def one():
-        nonlocal state
-        state, metrics = trainer.step(state, placed)
-        return metrics
+    """Median over rounds of seconds per step, as `fit` runs steps: at most two in flight and nothing read back
+    (`Trainer.dispatch`; `Trainer.step` would read local SGD's per-replica metrics to the host every step)."""
+    from jaxpar.cost.model_step import time_steps
 
     period = getattr(trainer.strategy, "period", 1)
-    common.run_steps(one, 3 + period)  # compile and warm up every variant (a meeting comes every period)
     steps = -(-steps // period) * period  # whole periods: the mean over local steps and meetings
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        common.run_steps(one, steps)
-        times.append((time.perf_counter() - started) / steps)
-    return statistics.median(times)
+    # warm-up: compile every variant (a meeting comes every period)
+    return time_steps(trainer, batch, steps, rounds, warmup=3 + period)
 
 
 def projected_step_seconds(trainer, batch) -> dict:
@@ -150,8 +141,12 @@ def spearman(a, b) -> float:
 
 
 def advisor(args, profile) -> dict:
+    """Ranks the MLP's plans on 8 devices of `profile`, measures --plans of them (spread over the ranking, the first
+    choice always among them) in alternating rounds, and reports Spearman's rank correlation and the first choice's
+    measured time over the best measured."""
     import optax
 
+    from jaxpar.cost.model_step import alternating_seconds, runner
     from jaxpar.cost.plan import plan
 
     parts = common.setup("mlp", dropout=0.0, batch_size=args.batch_size)
@@ -162,21 +157,45 @@ def advisor(args, profile) -> dict:
     picked = candidates[::step][: args.plans]
     if candidates[0] not in picked:
         picked = [candidates[0]] + picked[:-1]
-    rows = []
+    runs, periods = [], []
     for c in picked:
         strategy, options = _strategy_from_label(c.strategy)
         trainer = jaxpar.Trainer(parts.factory, parts.loss_fn, optax.adamw(1e-3), jaxpar.make_mesh(c.mesh),
                                  strategy=strategy_of(strategy, options))
-        measured = measured_step_seconds(trainer, parts.batch, args.steps, args.rounds)
-        rows.append({"plan": c.flags, "projected_s": c.seconds, "measured_s": measured})
-        print(f"{c.flags:<70} projected {c.seconds * 1e3:9.3f} ms  measured {measured * 1e3:9.3f} ms", flush=True)
+        runs.append(runner(trainer, parts.batch))
+        periods.append(getattr(trainer.strategy, "period", 1))
+    whole = max(periods)  # whole periods of every plan: the mean over local steps and meetings
+    steps = -(-args.steps // whole) * whole
+    measured = alternating_seconds(runs, steps, args.rounds, warmup=3 + whole)
+    rows = []
+    for c, seconds in zip(picked, measured):
+        rows.append({"plan": c.flags, "projected_s": c.seconds, "measured_s": seconds})
+        print(f"{c.flags:<70} projected {c.seconds * 1e3:9.3f} ms  measured {seconds * 1e3:9.3f} ms", flush=True)
     rho = spearman([r["projected_s"] for r in rows], [r["measured_s"] for r in rows])
     best = min(r["measured_s"] for r in rows)
-    first = rows[0]["measured_s"] if rows[0]["plan"] == candidates[0].flags else None
-    out = {"plans": rows, "spearman": rho, "first_choice_over_best": None if first is None else first / best}
-    print(f"Spearman rank correlation over {len(rows)} plans: {rho:.2f}; the advisor's first choice measured "
-          f"{out['first_choice_over_best']:.2f}x the best measured")
+    out = {"plans": rows, "spearman": rho, "first_choice_over_best": rows[0]["measured_s"] / best,
+           "candidates": len(candidates)}
+    print(f"Spearman rank correlation over {len(rows)} of {len(candidates)} plans: {rho:.2f}; the advisor's first "
+          f"choice measured {out['first_choice_over_best']:.2f}x the best measured ({steps} steps x {args.rounds} "
+          f"rounds per plan, alternating)")
     return out
+
+
+def calibrated_here(args):
+    """This machine's profile for the MLP, as `python -m jaxpar.calibrate --mesh M --model mlp --batch-size B`
+    writes it: matmul rate, launch, every kind's link per axis of M, and the MLP's utilisation and fixed cost."""
+    from jaxpar.calibrate import calibrate_model
+    from jaxpar.cost.calibration import calibrate, summary
+    from jaxpar.cost.hardware import Profile
+
+    say = (lambda line: print(f"calibrate: {line}", flush=True)) if args.verbose else None
+    found = calibrate(jaxpar.make_mesh(args.calibrate_mesh), progress=say)
+    found = calibrate_model(found, "mlp", args.batch_size, progress=say)
+    print("\n".join(summary(found)), flush=True)
+    if args.save_profile:
+        with open(args.save_profile, "w") as handle:
+            json.dump(found, handle, indent=1)
+    return Profile.from_dict(found)
 
 
 def jaxpar_shape(value):
@@ -197,22 +216,29 @@ def _strategy_from_label(text: str):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hardware", required=True, help="a profile: a file from python -m jaxpar.calibrate")
+    parser.add_argument("--hardware", default=None, help="a profile: a file from python -m jaxpar.calibrate; "
+                        "default: calibrate this machine first (--calibrate-mesh, the MLP's step at --batch-size)")
+    parser.add_argument("--calibrate-mesh", default="2x4", help="the mesh whose axes the calibration measures")
+    parser.add_argument("--save-profile", default=None, help="write the calibrated profile here (JSON)")
+    parser.add_argument("--verbose", action="store_true", help="print every calibration measurement")
     parser.add_argument("--parts", default="machine,advisor")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--plans", type=int, default=8, help="plans of the advisor to measure")
     parser.add_argument("--quick", action="store_true", help=f"{len(QUICK)} of the {len(CONFIGS)} configurations")
     args = parser.parse_args()
     jaxpar.make_mesh("8")  # before anything touches JAX: 8 CPU devices
-    profile = jaxpar.parse_hardware(args.hardware)
+    started = time.perf_counter()
+    profile = jaxpar.parse_hardware(args.hardware) if args.hardware else calibrated_here(args)
     parts = args.parts.split(",")
     result = {"profile": profile.name, "source": profile.source}
     if "machine" in parts:
         result["machine"] = machine(args, profile)
     if "advisor" in parts:
         result["advisor"] = advisor(args, profile)
+    result["seconds"] = time.perf_counter() - started
+    print(f"costmodel: {result['seconds']:.0f} s in all")
     print(json.dumps(result))
 
 

@@ -24,6 +24,37 @@ def _int_list(flag: str, low: int):
     return parse
 
 
+def calibrate_model(profile: dict, model: str, batch_size: int | None = None, timer=None, progress=None) -> dict:
+    """`profile` (a calibration dict) with the built-in `model`'s step measured on every device over data
+    (`jaxpar.cost.model_step`); `batch_size`: the reference's global batch (default: the model's)."""
+    import jax
+
+    import models
+    from jaxpar.cli.build import datasets, make_optimizer
+    from jaxpar.cli.config import Config
+    from jaxpar.cost import model_step
+    from jaxpar.cost.hardware import Profile
+    from jaxpar.parallel.mesh import make_mesh
+    from jaxpar.train.trainer import Trainer
+
+    fields = {"batch_size": batch_size} if batch_size else {}
+    config = Config(model=model, dropout=0.0, **fields).resolved()
+    mesh_spec = str(len(jax.devices()))
+    mesh = make_mesh(mesh_spec)
+
+    def batch_of(size: int) -> dict:
+        sized = config.replace(batch_size=size)
+        return next(iter(datasets(sized, lambda step: size, size)[0]))
+
+    def make_trainer(priced):
+        return Trainer(models.factory(config), models.loss_for(config), make_optimizer(config, config.lr), mesh,
+                       hardware=priced)
+
+    machine = Profile.from_dict(profile)
+    result = model_step.measure(make_trainer, batch_of, config.batch_size, machine, timer=timer, progress=progress)
+    return model_step.apply(profile, model, mesh_spec, result)
+
+
 def main(argv=None) -> int:
     import argparse
     import json
@@ -46,6 +77,12 @@ def main(argv=None) -> int:
                         help="n of the n x n matmuls timed, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per program (the fastest is kept)")
     parser.add_argument("--trips", type=int, default=8, help="loop trips timed per call (one trip is one op)")
+    parser.add_argument("--model", default=None,
+                        help="also time this built-in model's training step (sync, every device on data, at "
+                             "--batch-size and 4x it): the profile then prices that model's compute at its measured "
+                             "utilisation and adds its fixed cost per step (jaxpar/cost/model_step.py)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="the global batch of --model's reference run (default: the model's default)")
     args = parser.parse_args(argv)
 
     from jaxpar.checks import unwritable_file
@@ -55,6 +92,15 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
 
+    if args.model is not None:
+        import models
+
+        if args.model not in models.MODELS:
+            return error(f"--model {args.model!r}: not a built-in model; choose one of {', '.join(models.MODELS)}")
+    elif args.batch_size is not None:
+        return error(f"--batch-size {args.batch_size}: applies only with --model (the reference run's batch)")
+    if args.batch_size is not None and args.batch_size < 1:
+        return error(f"--batch-size {args.batch_size}: give an integer >= 1")
     if len(args.sizes) < 2:
         return error(f"--sizes {','.join(map(str, args.sizes))}: a line needs at least 2 message sizes")
     for flag, value in (("--repeats", args.repeats), ("--trips", args.trips)):
@@ -76,6 +122,8 @@ def main(argv=None) -> int:
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if distributed.is_main() else None
         profile = calibrate(mesh, sizes=args.sizes, matmul_sizes=args.matmul_sizes, trips=args.trips,
                             repeats=args.repeats, progress=say)
+        if args.model is not None:
+            profile = calibrate_model(profile, args.model, args.batch_size, progress=say)
     except JaxparError as problem:
         return error(str(problem))
     if not distributed.is_main():

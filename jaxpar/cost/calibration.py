@@ -261,6 +261,15 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
     unmeasured = [role for role in mesh_lib.AXES if role not in links]
     for role in unmeasured:
         links[role] = dict(fitted[slowest])
+    # every other kind's own fit, placed as the links are: on XLA:CPU a permute's latency is several times an
+    # all-reduce's, and the hand-written allreduces are made of permutes
+    own = {}
+    for kind in kinds:
+        if kind != link_kind:
+            per_axis = {a: {"alpha": axes[a][kind]["alpha"], "bandwidth": axes[a][kind]["bandwidth"]}
+                        for a in measured_axes}
+            own[kind] = {roles.get(a, a): per_axis[a if a in inside else slowest] for a in measured_axes}
+            own[kind].update({role: dict(per_axis[slowest]) for role in unmeasured})
     nodes = {}
     if across and jax.process_count() > 1:
         between = min(across, key=lambda a: fitted[a]["bandwidth"])
@@ -270,7 +279,8 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
     source = (f"measured by python -m jaxpar.calibrate on {platform.node() or 'this machine'} "
               f"({jax.devices()[0].platform}, {mesh.size} devices in {jax.process_count()} process(es), mesh "
               f"{mesh_lib.shape_line(mesh)}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; FLOP/s: median "
-              f"sustained float32 matmul per device with every device busy; links: {link_kind} fit per axis "
+              f"sustained float32 matmul per device with every device busy; links: {link_kind} fit per axis, "
+              f"each other kind's own fit under kinds "
               f"(worst residual of any fit {worst:.0%})")
     if unmeasured:
         source += f"; {', '.join(unmeasured)} not in the mesh: given {slowest}'s link"
@@ -279,7 +289,8 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
                    f"from {between}'s fit")
     # peak = sustained: a CPU has no datasheet peak to quote; what a device sustains is what was measured
     return {"name": "calibrated", "flops": float(compute["flops"]), "sustained": float(compute["flops"]),
-            "memory": float(device_memory(mesh)), "launch": launch, "links": links, **nodes, "source": source,
+            "memory": float(device_memory(mesh)), "launch": launch, "links": links, "kinds": own,
+            **nodes, "source": source,
             MEASUREMENTS: {"mesh": dict(mesh.shape), "processes": jax.process_count(), "kinds": list(kinds),
                             "matmul": compute["per_size"], "axes": axes}}
 
@@ -290,6 +301,13 @@ def summary(profile: dict) -> list[str]:
     out = [f"sustained matmul: {profile['flops'] / 1e9:,.2f} GFLOP/s per device (median of "
            f"{', '.join(f'{n}: {f / 1e9:,.2f}' for n, f in c['matmul'].items()) or 'given'}); launching a step "
            f"{profile['launch'] * 1e6:,.1f} us"]
+    if "model" in c:
+        m = c["model"]
+        note = f"; {m['note']}" if m["note"] else ""
+        out.append(f"{m['name']}'s step (sync, mesh {m['mesh']}): " + ", ".join(
+            f"batch {x['batch']} {x['measured'] * 1e3:,.3f} ms" for x in m["points"]) +
+            f" -> utilisation {m['utilisation']:.3g} of the matmul rate, fixed cost {m['fixed'] * 1e6:,.1f} us per "
+            f"step{note}")
     for axis, kinds in c["axes"].items():
         where = "between processes" if kinds["crosses_processes"] else "within a process"
         out.append(f"{axis} (groups of {kinds['group']}, {where}):")

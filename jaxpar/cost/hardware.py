@@ -58,15 +58,22 @@ class Profile:
     bucket: float = DEFAULT_BUCKET  # bytes on the wire of the last gradient bucket, the tail that cannot overlap
     wire: str = "float32"  # dtype of gradients on the wire (pricing.WIRE_BYTES)
     launch: float = 0.0  # seconds every step pays to start its program on the devices (calibrated; 0: not priced)
+    # collective kind -> mesh axis -> Link: a kind's own measured link, where it differs from `links` (calibrated:
+    # on XLA:CPU a collective-permute costs several times an all-reduce's latency); empty: `links` for every kind
+    kinds: dict = field(default_factory=dict, hash=False)
+    model: str | None = None  # the model whose training step gave `sustained` and `launch` (None: a matmul loop)
 
     @property
     def compute_flops(self) -> float:
         """The FLOP/s compute is priced at: sustained if stated, else the peak."""
         return self.sustained or self.flops
 
-    def link(self, axes) -> Link:
-        """The slowest link among `axes` (a collective over several axes is as slow as its slowest one)."""
-        links = [self.links[a] for a in axes if a in self.links] or list(self.links.values())
+    def link(self, axes, kind: str | None = None) -> Link:
+        """The slowest link among `axes` (a collective over several axes is as slow as its slowest one); with
+        `kind`, that collective kind's own links where the profile has them (`kinds`)."""
+        table = self.kinds.get(kind) or self.links
+        links = ([table[a] for a in axes if a in table] or [self.links[a] for a in axes if a in self.links]
+                 or list(self.links.values()))
         return Link(max(x.alpha for x in links), min(x.bandwidth for x in links))
 
     def describe(self) -> str:
@@ -76,7 +83,12 @@ class Profile:
         if self.memory:
             parts.append(f"{self.memory / 1e9:g} GB of memory per device")
         if self.launch:
-            parts.append(f"{self.launch * 1e6:g} us to launch a step")
+            parts.append(f"{self.launch * 1e6:g} us to launch a step" + (f" ({self.model}'s fixed cost per step)"
+                                                                          if self.model else ""))
+        if self.model:
+            parts.append(f"sustained and launch measured on {self.model}'s training step")
+        if self.kinds:
+            parts.append(f"own links for {', '.join(sorted(self.kinds))}")
         inside = " inside a node" if self.devices_per_node else ""
         for axis in mesh_lib.AXES:
             if axis in self.links:

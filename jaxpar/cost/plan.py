@@ -94,14 +94,15 @@ def _exchange_seconds(entry) -> float:
 
 
 def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profile) -> float:
-    """The textbook time of averaging `gradient_bytes` over `replicas` with `algorithm` on the data link."""
+    """The textbook time of averaging `gradient_bytes` over `replicas` with `algorithm` on the data link of a
+    collective-permute (the profile's own, where calibrated)."""
     from jaxpar.parallel import mesh as mesh_lib
     from jaxpar.parallel.collectives import theoretical_traffic
 
     if replicas <= 1:
         return 0.0
     traffic = theoretical_traffic(algorithm, replicas, gradient_bytes)
-    link = profile.link((mesh_lib.DATA,))
+    link = profile.link((mesh_lib.DATA,), "collective-permute")  # the algorithms are made of permutes
     return traffic["steps"] * link.alpha + traffic["bytes_sent_per_device"] / link.bandwidth
 
 

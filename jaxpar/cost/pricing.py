@@ -94,7 +94,7 @@ def _layout(groups, devices_per_node: int) -> tuple[int, int, int, int]:
 
 def once_seconds(op, profile, nbytes: float) -> float:
     """One run of `op` (a `jaxpar.cost.hlo.Collective`) moving `nbytes` per device on `profile`."""
-    intra = profile.link(op.axes or ())
+    intra = profile.link(op.axes or (), op.kind)
     hierarchy = profile.devices_per_node
     if hierarchy is None or profile.inter_node is None:
         return flat_seconds(op.kind, nbytes, op.group, intra)

@@ -4,7 +4,9 @@ file `--hardware PATH.json` loads (what `python -m jaxpar.calibrate` writes).
     {"name": "...", "flops": 312e12, "sustained": 163e12, "memory": 80e9,
      "links": {"data": {"alpha": 1e-5, "bandwidth": 12.5e9}, ...},          (mesh axis -> link inside a node)
      "devices_per_node": 8, "inter_node": {"alpha": 1e-5, "bandwidth": 25e9}, "nics_per_node": 8,
-     "allreduce": "ring", "overlap": false, "bucket": 25e6, "wire": "float32", "source": "..."}
+     "allreduce": "ring", "overlap": false, "bucket": 25e6, "wire": "float32", "source": "...",
+     "launch": 5.5e-5, "kinds": {"collective-permute": {"data": {"alpha": 1.5e-4, "bandwidth": 1e9}}},
+     "model": "mlp"}                              (a kind's own links; the model sustained and launch came from)
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
 
 MEASUREMENTS = "calibration"  # the field where python -m jaxpar.calibrate keeps its sweeps and fits
-NATIVE_ALLREDUCES = ("ring", "hierarchical")  # how the compiler's all-reduce runs over nodes (jaxpar.cost.pricing)
+NATIVE_ALLREDUCES = ("ring", "hierarchical")
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")  # how the compiler's all-reduce runs over nodes (jaxpar.cost.pricing)
 
 
 def profile_from_dict(data: dict):
@@ -42,6 +45,11 @@ def profile_from_dict(data: dict):
     if not isinstance(data["links"], dict) or set(data["links"]) - set(mesh_lib.AXES):
         raise ValueError(f"'links' must map mesh axes ({', '.join(mesh_lib.AXES)}) to links")
     fields = dict(data, links={a: link(v, f"links.{a}") for a, v in data["links"].items()})
+    kinds = data.get("kinds") or {}
+    if not isinstance(kinds, dict) or any(k not in COLLECTIVE_KINDS or not isinstance(v, dict) or
+                                          set(v) - set(mesh_lib.AXES) for k, v in kinds.items()):
+        raise ValueError(f"'kinds' must map collective kinds ({', '.join(COLLECTIVE_KINDS)}) to links per mesh axis")
+    fields["kinds"] = {k: {a: link(x, f"kinds.{k}.{a}") for a, x in v.items()} for k, v in kinds.items()}
     if data.get("inter_node") is not None:
         fields["inter_node"] = link(data["inter_node"], "inter_node")
     return check_profile(Profile(**fields))
@@ -60,7 +68,8 @@ def check_profile(profile):
             positive(getattr(profile, what), what)
     if not profile.links:
         raise ValueError("no links")
-    for axis, x in list(profile.links.items()) + [("inter_node", profile.inter_node)]:
+    own = [(f"kinds.{k}.{a}", x) for k, v in profile.kinds.items() for a, x in v.items()]
+    for axis, x in list(profile.links.items()) + [("inter_node", profile.inter_node)] + own:
         if x is not None:
             positive(x.alpha, f"{axis}.alpha", zero=True)
             positive(x.bandwidth, f"{axis}.bandwidth")
@@ -76,6 +85,8 @@ def check_profile(profile):
         raise ValueError(f"wire must be one of {', '.join(pricing.WIRE_BYTES)}, got {profile.wire!r}")
     if not isinstance(profile.overlap, bool):
         raise ValueError(f"overlap must be true or false, got {profile.overlap!r}")
+    if profile.model is not None and not isinstance(profile.model, str):
+        raise ValueError(f"model must be a model's name or null, got {profile.model!r}")
     positive(profile.bucket, "bucket")
     positive(profile.launch, "launch", zero=True)
     return profile
