@@ -134,3 +134,98 @@ def test_the_launch_time_is_measured_and_every_step_pays_it():
     assert step_cost(2e9, [], flat).compute == 2.0
     assert step_cost(2e9, [], launched).compute == 2.001
     assert jaxpar.parse_hardware("a100-nvlink,launch=2e-5").launch == 2e-5
+
+
+def _kinds_machine(alpha, bandwidth, permute_alpha):
+    """A known machine whose collective-permute has its own latency (as XLA:CPU's: several times an all-reduce's)."""
+    plain, permute = _known_machine(alpha, bandwidth), _known_machine(permute_alpha, bandwidth)
+    return lambda axis, kind, nbytes: (permute if kind == "collective-permute" else plain)(axis, kind, nbytes)
+
+
+def test_each_collective_kind_keeps_its_own_link_and_is_priced_on_it():
+    found = cal.calibrate(MESH, measure=_kinds_machine(7e-6, 3e9, 150e-6), flops=2.5e12)
+    assert math.isclose(found["links"]["data"]["alpha"], 7e-6, rel_tol=1e-6)  # links: the all-reduce fit
+    own = found["kinds"]["collective-permute"]
+    assert set(own) == {"data", "stage", "fsdp", "model"}
+    assert math.isclose(own["data"]["alpha"], 150e-6, rel_tol=1e-6)
+    assert math.isclose(found["kinds"]["all-gather"]["model"]["alpha"], 7e-6, rel_tol=1e-6)
+    profile = Profile.from_dict(found)  # what --hardware FILE reads
+    assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    permute = Collective("collective-permute", 3000, 2, ("data",), pairs=((0, 1),))
+    assert math.isclose(collective_seconds(permute, profile), 150e-6 + 3000 / 3e9, rel_tol=1e-9)
+    allreduce = Collective("all-reduce", 3000, 2, ("data",))
+    assert math.isclose(collective_seconds(allreduce, profile), 2 * (7e-6 + 1500 / 3e9), rel_tol=1e-6)
+
+
+def test_a_kinds_entry_that_is_not_a_collective_kind_is_refused(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "p", "flops": 1e9, "links": {"data": {"alpha": 0, "bandwidth": 1e9}},
+                                "kinds": {"all-to-some": {"data": {"alpha": 0, "bandwidth": 1e9}}}}))
+    with pytest.raises(jaxpar.JaxparError, match="'kinds' must map collective kinds"):
+        jaxpar.parse_hardware(str(path))
+
+
+def test_a_step_of_known_fixed_cost_and_utilisation_is_recovered():
+    from jaxpar.cost.model_step import fit_step
+
+    def t(p, c):
+        return 1e-3 + p / 0.25 + c
+
+    fitted = fit_step([(1e-4, 2e-4, t(1e-4, 2e-4)), (4e-4, 2e-4, t(4e-4, 2e-4))])
+    assert math.isclose(fitted["utilisation"], 0.25, rel_tol=1e-9) and math.isclose(fitted["fixed"], 1e-3, rel_tol=1e-9)
+    assert fitted["note"] == ""
+    # a step that does not grow with its FLOPs: utilisation 1, everything else is the fixed cost
+    flat = fit_step([(1e-5, 0.0, 2e-3), (4e-5, 0.0, 1.9e-3)])
+    assert flat["utilisation"] == 1.0 and math.isclose(flat["fixed"], 1.95e-3 - 2.5e-5, rel_tol=1e-9)
+    assert "did not grow with its FLOPs" in flat["note"]
+    # more compute than the time allows: fixed cost 0, said
+    assert "taken as 0" in fit_step([(1e-3, 0.0, 2e-3), (2e-3, 0.0, 5e-3)])["note"]
+
+
+def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_measured():
+    """The reference runs are timed by a fake machine whose step costs exactly fixed + P / u + C: the calibration
+    recovers u and the fixed cost, and the profile it writes projects the reference's measured time."""
+    from jaxpar.cost import model_step
+
+    machine = cal.calibrate(MESH, measure=_known_machine(7e-6, 3e9), flops=2.5e10)
+    seen = []
+
+    def timer(trainer, batch):
+        compute, comm = model_step.projected_parts(trainer, batch, trainer.hardware.launch)
+        seen.append(2e-3 + compute / 0.2 + comm)
+        return seen[-1]
+
+    profile = cli.calibrate_model(machine, "mlp", 16, timer=timer)
+    assert profile["model"] == "mlp" and profile["name"] == "calibrated-mlp"
+    assert math.isclose(profile["sustained"], 0.2 * 2.5e10, rel_tol=1e-6)
+    assert math.isclose(profile["launch"], 2e-3, rel_tol=1e-6)
+    assert [p["batch"] for p in profile["calibration"]["model"]["points"]] == [16, 64]
+    priced = Profile.from_dict(profile)
+    import models
+    from jaxpar.cli.build import make_optimizer
+    from jaxpar.cli.config import Config
+
+    config = Config(model="mlp", dropout=0.0, batch_size=64).resolved()
+    trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), make_optimizer(config, config.lr),
+                             jaxpar.make_mesh("8"), hardware=priced)
+    batch = {"image": jax_struct((64, 8, 8, 1), "float32"), "label": jax_struct((64,), "int32")}
+    compute, comm = model_step.projected_parts(trainer, batch, 0.0)
+    assert math.isclose(compute + comm, seen[1], rel_tol=1e-6)  # the reference at batch 64, projected back
+
+
+def jax_struct(shape, dtype):
+    import jax
+    import numpy as np
+
+    return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "resnet"], "--model 'resnet': not a built-in model; choose one of"),
+    (["--batch-size", "8"], "--batch-size 8: applies only with --model"),
+    (["--model", "mlp", "--batch-size", "0"], "--batch-size 0: give an integer >= 1"),
+])
+def test_a_bad_model_argument_is_one_line_and_exit_2(argv, needle, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

@@ -9,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
+import jaxpar
 import models
 import run
 from jaxpar.cost import plan as advisor
@@ -101,3 +102,44 @@ def test_bad_plan_flags_are_one_line(argv, needle, capsys):
     assert run.main(["--model", "mlp", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_slow_permute_link_ranks_the_hand_written_allreduces_after_the_compilers():
+    """The hand-written allreduces are made of collective-permutes: priced on the permute's own link (a calibrated
+    profile's `kinds`), they lose to the compiler's all-reduce when permutes are slow, and win when they are fast."""
+    from jaxpar.cost.hardware import Link, Profile
+
+    def plans(permute_alpha):
+        links = {axis: Link(1e-5, 1e9) for axis in ("data", "stage", "fsdp", "model")}
+        profile = Profile("cpu-like", 1e12, links, kinds={"collective-permute": {
+            axis: Link(permute_alpha, 1e9) for axis in links}}, launch=1e-3)
+        result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, profile, 4, meshes=["data=4,fsdp=1,model=1"],
+                              remats=("none",), periods=())
+        return {c.strategy: c.seconds for c in result["plans"]}
+
+    slow = plans(1e-3)
+    assert all(slow["sync"] < slow[f"sync allreduce={a}"] for a in ("ring", "torus2d", "ps"))
+    assert slow["sync"] > 1e-3  # every plan pays the fixed cost per step (launch)
+    # ring: 2(N-1) = 6 permutes of the permute link's latency
+    assert slow["sync allreduce=ring"] - plans(0.0)["sync allreduce=ring"] > 6 * 1e-3 * 0.999
+    fast = plans(0.0)
+    assert fast["sync allreduce=torus2d"] < fast["sync"]
+
+
+def test_with_overlap_sync_is_priced_as_explain_prices_it_and_a_meeting_hides_nothing():
+    """`overlap=1`: the advisor's sync plan is explain's step (compute + communication - overlap); local SGD's
+    meeting averages parameters after the step, so explain projects it as the sync step without its overlap."""
+    hardware = "flops=1e9,alpha=1e-5,bandwidth=1e8,overlap=1,bucket=1000"
+    mesh = "data=4,fsdp=1,model=1"
+    trainer = jaxpar.Trainer(Wide, loss, optax.sgd(0.1), jaxpar.make_mesh(mesh), hardware=hardware)
+    report = jaxpar.explain(trainer, BATCH)
+    p = report["variants"]["sync"]["projected_seconds"]
+    assert p["overlap"] > 0
+    result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, hardware, 4, meshes=[mesh], remats=("none",),
+                          periods=(4,))
+    sync = next(c for c in result["plans"] if c.strategy == "sync")
+    assert sync.seconds == pytest.approx(p["step"])
+    over_data = sum(c["seconds"] for c in report["variants"]["sync"]["communication"] if "data" in c["axes"])
+    local = p["step"] - over_data + p["overlap"]
+    meeting = p["step"] + p["overlap"]
+    assert report["projection"]["local_sgd"]["seconds"] == pytest.approx((3 * local + meeting) / 4)

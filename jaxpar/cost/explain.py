@@ -293,9 +293,13 @@ def project(variants: dict, trainer) -> dict:
     quiet = [name for name in variants if not own.theory(ctx, name, 0)]
     hidden = full_entry["projected_seconds"].get("overlap", 0.0)  # only the exchange over data was hidden
     local = variants[quiet[0]]["projected_seconds"]["step"] if quiet else full - over_data + hidden
+    # a meeting averages parameters after its step, so none of its exchange hides under the backward pass: a
+    # sync run's step without its overlap (a periodic run's own meeting step already has none)
+    meeting = full if quiet else full + hidden
     for name, cls in REGISTRY.items():
         if name != own.name:
-            seconds, how = cls.project(full, local, own.period)
+            periodic = "sync_period" in getattr(cls, "OPTIONS", {})  # local SGD, DiLoCo: they meet every H steps
+            seconds, how = cls.project(meeting if periodic else full, local, own.period)
             result[name] = {"seconds": seconds, "how": how}
     return result
 
