@@ -143,3 +143,11 @@ def test_with_overlap_sync_is_priced_as_explain_prices_it_and_a_meeting_hides_no
     local = p["step"] - over_data + p["overlap"]
     meeting = p["step"] + p["overlap"]
     assert report["projection"]["local_sgd"]["seconds"] == pytest.approx((3 * local + meeting) / 4)
+
+
+def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
+    one = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=1)
+    two = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=2)
+    assert [(c.flags, c.seconds, c.memory) for c in one["plans"]] == [(c.flags, c.seconds, c.memory)
+                                                                       for c in two["plans"]]
+    assert one["remat_mesh"] == two["remat_mesh"] and len(one["plans"]) > len(MESHES)

@@ -224,12 +224,13 @@ def _tokens(batch) -> int | None:
     return None
 
 
-def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dict:
+def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compiled: dict | None = None) -> dict:
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
     With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing.
     `fit`: also what fits a device (`jaxpar.cost.fit.advise`: every remat policy at two batch sizes, compiled, and
-    the suggested policy and batch), under the key "fit"."""
+    the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step} already
+    compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""
     profile, mesh = trainer.hardware, trainer.mesh
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_plan(trainer), "variants": {},
@@ -240,11 +241,12 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dic
     out["parameters"] = parameters
     out["model_flops_per_token"] = 6 * parameters if tokens else None
     for variant, facts in _variants(trainer).items():
-        compiled = trainer.compiled_step(variant, batch, facts["inputs"])
-        ops = collective_ops(compiled, mesh)
-        counted = loop_flops(compiled, step_flops(compiled))
+        given = (compiled or {}).get(variant)
+        program = given if given is not None else trainer.compiled_step(variant, batch, facts["inputs"])
+        ops = collective_ops(program, mesh)
+        counted = loop_flops(program, step_flops(program))
         flops = counted.per_device
-        entry = {"share": facts["share"], "memory": step_bytes(compiled),
+        entry = {"share": facts["share"], "memory": step_bytes(program),
                  "flops_per_device": flops, "flops": None if flops is None else flops * mesh.size,
                  "xla_flops_per_device": counted.xla, "flops_note": counted.note,
                  "unknown_loops": unknown_loops(ops), "pipeline": pipelines.report(trainer, batch, ops),
@@ -255,7 +257,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False) -> dic
         if tokens and flops:
             entry["flops_per_token"] = flops * mesh.size / tokens
         if profile is not None:
-            trainer._price(variant, compiled)
+            trainer._price(variant, program)
             cost = trainer.step_costs[variant]
             entry["projected_seconds"] = {"compute": cost.compute, "communication": cost.comm,
                                           "overlap": cost.overlap, "step": cost.compute + cost.exposed}

@@ -106,13 +106,16 @@ def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profi
     return traffic["steps"] * link.alpha + traffic["bytes_sent_per_device"] / link.bandwidth
 
 
-def _remat_ratios(trainer, batch, variant, remats) -> dict:
-    """Per remat policy: (temporaries ratio, FLOPs ratio) to no remat, compiled on `trainer`'s mesh."""
+def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
+    """Per remat policy: (temporaries ratio, FLOPs ratio) to no remat (`base`: the trainer's own step's
+    (temporaries, FLOPs per device), already compiled), each other policy compiled on `trainer`'s mesh."""
     from jaxpar.cost.hlo import loop_flops
     from jaxpar.runtime.resources import step_bytes, step_flops
 
-    measured = {}
-    for name in dict.fromkeys(("none",) + tuple(remats)):
+    measured = {"none": base}
+    for name in dict.fromkeys(remats):
+        if name == "none":
+            continue
         compiled = trainer.compiled_step(variant, batch, remat=name)
         memory = step_bytes(compiled)
         flops = loop_flops(compiled, step_flops(compiled)).per_device
@@ -123,13 +126,39 @@ def _remat_ratios(trainer, batch, variant, remats) -> dict:
             for name, (temps, flops) in measured.items() if name in remats}
 
 
+def _compile_meshes(specs, make_trainer, batch, workers: int | None) -> dict:
+    """{mesh spec: (its sync Trainer, {first variant: compiled step}) or the JaxparError that refused it}. Every
+    mesh is built and lowered here one after another (tracing is Python), then the programs are compiled `workers`
+    at a time (default: one per CPU core): XLA compiles outside Python's lock, and compiling is most of a plan's
+    time (benchmarks/plan_speed.py measures it)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    lowered, out = {}, {}
+    for spec in specs:
+        try:
+            trainer = make_trainer(spec)
+            first = trainer.strategy.plan(trainer.ctx, 0)
+            lowered[spec] = (trainer, first.variant, trainer.lowered_step(first.variant, batch, first.inputs))
+        except JaxparError as error:
+            out[spec] = error
+    workers = max(1, min(workers or os.cpu_count() or 1, len(lowered) or 1))
+    with ThreadPoolExecutor(workers) as threads:
+        futures = {spec: threads.submit(low.compile) for spec, (_, _, low) in lowered.items()}
+        for spec, (trainer, variant, _) in lowered.items():
+            out[spec] = (trainer, {variant: futures[spec].result()})
+    return out
+
+
 def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices: int | None = None, *,
          rules=None, meshes=None, periods=DEFAULT_PERIODS, remats=DEFAULT_REMATS, stages: bool = False,
-         steps_ratio: dict | None = None, progress: Callable[[str], None] | None = None) -> dict:
+         steps_ratio: dict | None = None, progress: Callable[[str], None] | None = None,
+         workers: int | None = None) -> dict:
     """Ranks the plans for `model` (a factory, as `Trainer` takes), `loss_fn`, `optimizer` and global batches
     shaped like `batch` on `devices` devices (default: all) of the hardware profile `hardware` (see the module
     docstring). Returns {"plans": [Candidate, ...] ranked, "refused": {mesh: reason}, "budget": bytes,
-    "remat_mesh": the mesh remat ratios were compiled on}."""
+    "remat_mesh": the mesh remat ratios were compiled on}. `workers`: meshes compiled at once (default: one per
+    CPU core; `_compile_meshes`)."""
     import jax
 
     from jaxpar.cost.explain import explain
@@ -137,6 +166,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
     from jaxpar.cost.hardware import parse_hardware
     from jaxpar.errors import ConfigError
     from jaxpar.parallel.mesh import make_mesh, replica_count
+    from jaxpar.train.remat import policy_of
     from jaxpar.train.trainer import Trainer
 
     profile = parse_hardware(hardware)
@@ -151,11 +181,16 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
     steps_ratio = dict(steps_ratio or {})
     strategies = _strategies(periods)
     plans, refused, ratios, remat_mesh, budget = [], {}, None, None, None
-    for spec in meshes or mesh_specs(devices, stages):
-        mesh = make_mesh(spec, devices=pool)
+    specs = meshes or mesh_specs(devices, stages)
+    built = _compile_meshes(specs, lambda spec: Trainer(model, loss_fn, optimizer, make_mesh(spec, devices=pool),
+                                                        rules=rules, hardware=profile), batch, workers)
+    for spec in specs:
         try:
-            trainer = Trainer(model, loss_fn, optimizer, mesh, rules=rules, hardware=profile)
-            report = explain(trainer, batch)
+            if isinstance(built[spec], JaxparError):
+                raise built[spec]
+            trainer, compiled = built[spec]
+            mesh = trainer.mesh
+            report = explain(trainer, batch, compiled=compiled)
         except JaxparError as error:
             refused[spec] = str(error)
             if progress:
@@ -164,7 +199,9 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
         budget = budget or budget_of(trainer)[0]
         variant, entry = next(iter(report["variants"].items()))
         if ratios is None:
-            ratios = _remat_ratios(trainer, batch, variant, remats)
+            own = policy_of(None) == trainer.remat  # the trainer's own step is the no-remat one
+            base = ((entry["memory"] or {}).get("temporaries"), entry["flops_per_device"]) if own else None
+            ratios = _remat_ratios(trainer, batch, variant, remats, base)
             remat_mesh = spec
         compiled_total = entry["memory"]["total"] if entry["memory"] else 0
         temps = entry["memory"]["temporaries"] if entry["memory"] else 0

@@ -433,9 +433,14 @@ class Trainer:
             if (variant, policy) not in self._other_remat:
                 self._other_remat[variant, policy] = self._jit_step(self.variants[variant], policy)
             return self._other_remat[variant, policy].lower(self.abstract_state(), abstract, inputs or {}).compile()
-        compiled = self._steps[variant].lower(self.abstract_state(), abstract, inputs or {}).compile()
+        compiled = self.lowered_step(variant, batch, inputs).compile()
         self._count_compilation(self._signature(variant, abstract))
         return compiled
+
+    def lowered_step(self, variant: str, batch, inputs=None):
+        """The step `variant` lowered for a global `batch` (shapes are enough), not compiled: `compiled_step`'s
+        first half, so that a caller can compile several programs at once (`jaxpar.plan`)."""
+        return self._steps[variant].lower(self.abstract_state(), self.batches.abstract(batch), inputs or {})
 
     def variant_cost(self, variant: str):
         """The `jaxpar.cost.hardware.StepCost` of step `variant` on `hardware` (compiled ahead of time if it has not
