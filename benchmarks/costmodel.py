@@ -173,11 +173,17 @@ def advisor(args, profile) -> dict:
         print(f"{c.flags:<70} projected {c.seconds * 1e3:9.3f} ms  measured {seconds * 1e3:9.3f} ms", flush=True)
     rho = spearman([r["projected_s"] for r in rows], [r["measured_s"] for r in rows])
     best = min(r["measured_s"] for r in rows)
+    family = [r for r, c in zip(rows, picked) if c.strategy.split()[0] == "sync"]
     out = {"plans": rows, "spearman": rho, "first_choice_over_best": rows[0]["measured_s"] / best,
-           "candidates": len(candidates)}
+           "candidates": len(candidates),
+           "spearman_sync": spearman([r["projected_s"] for r in family], [r["measured_s"] for r in family])
+           if len(family) > 2 else None}
     print(f"Spearman rank correlation over {len(rows)} of {len(candidates)} plans: {rho:.2f}; the advisor's first "
           f"choice measured {out['first_choice_over_best']:.2f}x the best measured ({steps} steps x {args.rounds} "
           f"rounds per plan, alternating)")
+    if out["spearman_sync"] is not None:
+        print(f"  of which the {len(family)} sync plans (compiler's or hand-written allreduce): Spearman "
+              f"{out['spearman_sync']:.2f}")
     return out
 
 

@@ -24,7 +24,8 @@ def _int_list(flag: str, low: int):
     return parse
 
 
-def calibrate_model(profile: dict, model: str, batch_size: int | None = None, timer=None, progress=None) -> dict:
+def calibrate_model(profile: dict, model: str, batch_size: int | None = None, timer=None, progress=None,
+                    rounds: int | None = None) -> dict:
     """`profile` (a calibration dict) with the built-in `model`'s step measured on every device over data
     (`jaxpar.cost.model_step`); `batch_size`: the reference's global batch (default: the model's)."""
     import jax
@@ -51,7 +52,8 @@ def calibrate_model(profile: dict, model: str, batch_size: int | None = None, ti
                        hardware=priced)
 
     machine = Profile.from_dict(profile)
-    result = model_step.measure(make_trainer, batch_of, config.batch_size, machine, timer=timer, progress=progress)
+    result = model_step.measure(make_trainer, batch_of, config.batch_size, machine, timer=timer, progress=progress,
+                                rounds=rounds or model_step.ROUNDS)
     return model_step.apply(profile, model, mesh_spec, result)
 
 
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
                         help="message sizes in bytes per device, comma-separated (at least 2)")
     parser.add_argument("--matmul-sizes", type=_int_list("--matmul-sizes", 8), default=MATMUL_SIZES,
                         help="n of the n x n matmuls timed, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per program (the fastest is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per program (the fastest is kept); with "
+                        "--model, also the rounds of its reference steps (the median is kept)")
     parser.add_argument("--trips", type=int, default=8, help="loop trips timed per call (one trip is one op)")
     parser.add_argument("--model", default=None,
                         help="also time this built-in model's training step (sync, every device on data, at "
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
         profile = calibrate(mesh, sizes=args.sizes, matmul_sizes=args.matmul_sizes, trips=args.trips,
                             repeats=args.repeats, progress=say)
         if args.model is not None:
-            profile = calibrate_model(profile, args.model, args.batch_size, progress=say)
+            profile = calibrate_model(profile, args.model, args.batch_size, progress=say, rounds=args.repeats)
     except JaxparError as problem:
         return error(str(problem))
     if not distributed.is_main():

@@ -107,7 +107,8 @@ def projected_parts(trainer, batch, launch: float) -> tuple[float, float]:
 
 
 def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size: int, profile,
-            factors=BATCH_FACTORS, timer: Callable | None = None, progress=None) -> dict:
+            factors=BATCH_FACTORS, timer: Callable | None = None, progress=None, steps: int = STEPS,
+            rounds: int = ROUNDS) -> dict:
     """Times the reference (`make_trainer(profile)`: a sync Trainer on the reference mesh priced on `profile`) at
     global batches `batch_of(f x batch_size)` and fits it. `timer(trainer, batch) -> seconds` replaces the
     measurement (tests). Returns {"points": [{batch, compute, communication, measured}], "utilisation", "fixed",
@@ -120,7 +121,7 @@ def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size:
         runs.append((trainer, batch))
         points.append({"batch": factor * batch_size, "compute": compute, "communication": comm})
     measured = ([timer(trainer, batch) for trainer, batch in runs] if timer else
-                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], STEPS, ROUNDS))
+                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], steps, rounds))
     for point, seconds in zip(points, measured):
         point["measured"] = seconds
         if progress:
