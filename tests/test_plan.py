@@ -151,3 +151,17 @@ def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
     assert [(c.flags, c.seconds, c.memory) for c in one["plans"]] == [(c.flags, c.seconds, c.memory)
                                                                        for c in two["plans"]]
     assert one["remat_mesh"] == two["remat_mesh"] and len(one["plans"]) > len(MESHES)
+
+
+def test_cli_plan_notes_a_profile_calibrated_on_another_model(tmp_path, capsys, monkeypatch):
+    from jaxpar.cost.hardware import PROFILES, save_profile
+
+    path = tmp_path / "transformer.json"
+    save_profile(PROFILES["a100-eth10"].__class__(**{**PROFILES["a100-eth10"].__dict__, "model": "transformer"}),
+                 path)
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["--model", "mlp", "--plan", "--hardware", str(path), "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ("as measured on transformer's training step, not mlp's; for mlp, calibrate with python -m "
+            "jaxpar.calibrate --model mlp") in out
+    assert "  1. " in out

@@ -11,6 +11,7 @@ import jax
 import models
 from jaxpar.cli.build import datasets, make_optimizer
 from jaxpar.cli.config import Config
+from jaxpar.cost.hardware import parse_hardware
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.strategies import DiLoCo, LocalSGD, Sync
 
@@ -46,6 +47,11 @@ def plan_run(config: Config) -> dict:
     if devices is not None:
         mesh_lib.make_mesh(str(devices))  # on CPU, JAX starts with that many devices
     devices = devices or len(jax.devices())
+    profile = parse_hardware(config.hardware)
+    if profile is not None and profile.model not in (None, config.model):
+        print(f"plan: note: --hardware {config.hardware} prices compute and the fixed cost per step as measured on "
+              f"{profile.model}'s training step, not {config.model}'s; for {config.model}, calibrate with python -m "
+              f"jaxpar.calibrate --model {config.model}", flush=True)
     train, _ = datasets(config, lambda step: config.batch_size, config.batch_size)
     first = next(iter(train))
     batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype) for k, v in first.items()}
