@@ -3,6 +3,10 @@ steady-state step time, for meshes x strategies x models; and the plan advisor's
 
     python -m jaxpar.calibrate --out /tmp/machine.json          # first: this machine's profile
     python -m benchmarks.costmodel --hardware /tmp/machine.json  # --parts machine,advisor
+    python -m benchmarks.costmodel --parts advisor               # one command: calibrates, plans, measures
+
+Without --hardware the benchmark calibrates first, in the same process: the links and matmul rate on
+--calibrate-mesh, then the MLP's own step at --batch-size (`python -m jaxpar.calibrate --model mlp`'s profile).
 
 `machine`: each configuration builds a Trainer with the profile, reads `jaxpar.explain`'s projected mean step time
 of its strategy (the same model `sim_time` uses), then times --steps steady-state steps after 3 warm-up steps (at
@@ -10,9 +14,9 @@ most two in flight, as `fit` runs them; the median of --rounds rounds). Prints p
 relative error (projected / measured - 1) per configuration, and the median and worst absolute error.
 
 `advisor`: `jaxpar.plan` ranks every plan for the MLP on 8 devices with the same profile; the benchmark measures
-the step time of --plans of them (the sync family and local SGD, spread over the ranking) the same way, and reports
-Spearman's rank correlation between projected and measured step times, and how far the advisor's first choice is
-from the measured best.
+the step time of --plans of them (spread over the ranking, the first choice among them) as `fit` runs steps, in
+alternating rounds, and reports Spearman's rank correlation between projected and measured step times (over all
+of them, and over the sync plans alone), and how far the advisor's first choice is from the measured best.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ from jaxpar.errors import ConfigError
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")
 SIZES = tuple(4 ** k * 1024 for k in range(1, 7))  # 4 KiB .. 4 MiB per device: latency- to bandwidth-bound
 MATMUL_SIZES = (128, 256, 512)  # the default transformer's matmuls are 128-512 wide per device
+# trips adding less than this share of the 1-trip call are noise: N real ops take more than N / 800 of a launch
+NOISE = 0.01
 # the link kind the profile's single link per axis comes from: gradients are all-reduced
 PROFILE_KIND = "all-reduce"
 
@@ -89,7 +91,8 @@ def link_from_fit(kind: str, group: int, fit: dict, sizes=None, seconds=None) ->
 def time_loop(build: Callable[[int], Callable], args, trips: int, repeats: int) -> float:
     """Seconds of one trip of the loop program `build(K)` (a jitted function of `args` looping K times):
     (fastest call at 1 + trips) - (fastest call at 1), over trips. The fastest of the repeats, not the median: what
-    other work on the machine adds is noise, never the link's own cost."""
+    other work on the machine adds is noise, never the link's own cost. A difference below NOISE of the 1-trip call (noise
+    larger than the trips' work) gives the longer call over its trips instead, an upper bound."""
     import jax
 
     def fastest(k: int) -> float:
@@ -102,7 +105,12 @@ def time_loop(build: Callable[[int], Callable], args, trips: int, repeats: int) 
             times.append(time.perf_counter() - started)
         return min(times)
 
-    return max(fastest(1 + trips) - fastest(1), 1e-12) / trips
+    longer, shorter = fastest(1 + trips), fastest(1)
+    if longer - shorter > NOISE * shorter:
+        return (longer - shorter) / trips
+    # the trips took no measurable time beyond the noise (a loaded machine): the whole longer program per trip,
+    # launch included, bounds one trip from above (never a near-zero time, which would be absurd FLOP/s)
+    return longer / (1 + trips)
 
 
 def _per_device(mesh, shape, dtype):
