@@ -4,7 +4,9 @@ A profile gives each device's peak and sustained FLOP/s and, per mesh axis, the 
 latency alpha (seconds per message) and a bandwidth beta (bytes per second, one direction, per device). It may add
 nodes: devices per node, the link between nodes (per NIC) and the NICs a node's devices share; the native
 all-reduce's algorithm over nodes (ring or hierarchical); whether the gradient all-reduce overlaps the backward pass
-(and its bucket); and the dtype of gradients on the wire. A step variant then costs
+(and its bucket); and the dtype of gradients on the wire. A calibrated profile may give a collective kind its own
+links (`kinds`: on XLA:CPU a permute's latency is several times an all-reduce's) and name the model whose step its
+`sustained` and `launch` were measured on (`model`). A step variant then costs
 
     compute = its per-device FLOPs / sustained FLOP/s: XLA's cost analysis, with every loop body counted its trip
               count times (`jaxpar.cost.hlo.loop_flops`)
@@ -57,7 +59,9 @@ class Profile:
     overlap: bool = False  # the gradient all-reduce overlaps the backward pass (False: the no-overlap bound)
     bucket: float = DEFAULT_BUCKET  # bytes on the wire of the last gradient bucket, the tail that cannot overlap
     wire: str = "float32"  # dtype of gradients on the wire (pricing.WIRE_BYTES)
-    launch: float = 0.0  # seconds every step pays to start its program on the devices (calibrated; 0: not priced)
+    # seconds every step pays whatever its size: an empty program's launch, or with `model` that model's measured
+    # fixed cost per step (calibrated; 0: not priced)
+    launch: float = 0.0
     # collective kind -> mesh axis -> Link: a kind's own measured link, where it differs from `links` (calibrated:
     # on XLA:CPU a collective-permute costs several times an all-reduce's latency); empty: `links` for every kind
     kinds: dict = field(default_factory=dict, hash=False)
