@@ -129,9 +129,9 @@ def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
 def _compile_meshes(specs, make_trainer, batch, workers: int | None) -> dict:
     """{mesh spec: (its sync Trainer, {first variant: compiled step}) or the JaxparError that refused it}. Every
     mesh is built and lowered here one after another (tracing is Python), then the programs are compiled `workers`
-    at a time (default: one per CPU core): XLA compiles outside Python's lock, and compiling is most of a plan's
-    time (benchmarks/plan_speed.py measures it)."""
-    import os
+    at a time: XLA compiles outside Python's lock, and compiling is most of a plan's time. Default 1: on the
+    2-core machine under load, 2 workers took the transformer's plan from 165.9 s to 188.0 s (and the MLP's from
+    41.0 to 34.0 s); `python -m benchmarks.plan_speed` compares them on a quiet machine."""
     from concurrent.futures import ThreadPoolExecutor
 
     lowered, out = {}, {}
@@ -142,7 +142,7 @@ def _compile_meshes(specs, make_trainer, batch, workers: int | None) -> dict:
             lowered[spec] = (trainer, first.variant, trainer.lowered_step(first.variant, batch, first.inputs))
         except JaxparError as error:
             out[spec] = error
-    workers = max(1, min(workers or os.cpu_count() or 1, len(lowered) or 1))
+    workers = max(1, min(workers or 1, len(lowered) or 1))
     with ThreadPoolExecutor(workers) as threads:
         futures = {spec: threads.submit(low.compile) for spec, (_, _, low) in lowered.items()}
         for spec, (trainer, variant, _) in lowered.items():
@@ -157,8 +157,8 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
     """Ranks the plans for `model` (a factory, as `Trainer` takes), `loss_fn`, `optimizer` and global batches
     shaped like `batch` on `devices` devices (default: all) of the hardware profile `hardware` (see the module
     docstring). Returns {"plans": [Candidate, ...] ranked, "refused": {mesh: reason}, "budget": bytes,
-    "remat_mesh": the mesh remat ratios were compiled on}. `workers`: meshes compiled at once (default: one per
-    CPU core; `_compile_meshes`)."""
+    "remat_mesh": the mesh remat ratios were compiled on}. `workers`: meshes compiled at once (default 1;
+    `_compile_meshes`)."""
     import jax
 
     from jaxpar.cost.explain import explain
