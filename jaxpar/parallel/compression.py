@@ -37,6 +37,7 @@ from jaxpar.errors import OptionError
 from jaxpar.parallel.collectives import Communicator, allgather, allreduce_sum, theoretical_traffic
 
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:R")
+NO_EF = "noef"  # suffix of a codec without error feedback (int8:noef, powersgd:R:noef), for convergence studies
 INT8_CHUNK = 256  # elements per int8 scale: the scales add 4/256 = 1.6% to the codes' bytes
 FP16_MAX = 65504.0
 OWN, SHARED = "own", "shared"  # the two parts of a compressed communicator's state (see partitioning)
@@ -97,18 +98,33 @@ def int8_decode(codes, scales, size: int):
     return (codes.astype(jnp.float32) * scales[..., None]).reshape(*codes.shape[:-2], -1)[..., :size]
 
 
-class Int8:
-    """int8 codes with per-chunk scales, error feedback, all-gathered and summed in float32."""
+def _residuals(params, error_feedback: bool):
+    """The per-replica state of an error-feedback codec: a float32 zero per leaf; without error feedback, none."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if error_feedback else ()
 
-    name, elementwise = "int8", True
+
+def _with_residual(leaves, own):
+    """v = gradient + residual (error feedback), or the gradient alone when the codec keeps no residual."""
+    return [_f32(g) + r for g, r in zip(leaves, own)] if own else [_f32(g) for g in leaves]
+
+
+class Int8:
+    """int8 codes with per-chunk scales, error feedback (unless `error_feedback=False`: the quantisation error is
+    dropped every step), all-gathered and summed in float32."""
+
+    elementwise = True
+
+    def __init__(self, error_feedback: bool = True):
+        self.error_feedback = error_feedback
+        self.name = "int8" if error_feedback else f"int8:{NO_EF}"
 
     def init(self, params):
-        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), ()
+        return _residuals(params, self.error_feedback), ()
 
     def mean(self, leaves, own, shared, exchange, n, axis_name):
         if not leaves:
             return leaves, own, shared
-        v = [_f32(g) + r for g, r in zip(leaves, own)]
+        v = _with_residual(leaves, own)
         # chunks never straddle two leaves: a leaf replicated over a within-replica axis then gets the same codes
         # on each of its devices, whatever the sharded leaves next to it hold
         encoded = [int8_encode(x.ravel()) for x in v]
@@ -122,7 +138,7 @@ class Int8:
             out.append(mean[offset:offset + k].reshape(-1)[:x.size].reshape(x.shape).astype(g.dtype))
             residual.append(_finite_or_zero(x - int8_decode(c, s, x.size).reshape(x.shape)))
             offset += k
-        return out, residual, shared
+        return out, residual if self.error_feedback else own, shared
 
     def payload(self, shapes, n) -> dict:
         chunks = sum(-(-math.prod(s) // INT8_CHUNK) for s in shapes)
@@ -149,12 +165,14 @@ def powersgd_round(m, q, mean_fn):
 
 
 class PowerSGD:
-    """Rank-R PowerSGD with error feedback and warm start; runs on whole (auto-sharded) arrays."""
+    """Rank-R PowerSGD with error feedback (unless `error_feedback=False`) and warm start; runs on whole
+    (auto-sharded) arrays."""
 
     elementwise = False
 
-    def __init__(self, rank: int):
-        self.rank, self.name = rank, f"powersgd:{rank}"
+    def __init__(self, rank: int, error_feedback: bool = True):
+        self.rank, self.error_feedback = rank, error_feedback
+        self.name = f"powersgd:{rank}" + ("" if error_feedback else f":{NO_EF}")
 
     def compresses(self, shape) -> bool:
         """ndim >= 2 and the factors are smaller than the matrix: (n + m) R < n m."""
@@ -168,10 +186,10 @@ class PowerSGD:
         qs = {str(i): jax.random.normal(jax.random.fold_in(jax.random.key(0), i),
                                         (as_matrix_shape(p.shape)[1], self.rank), jnp.float32)
               for i, p in enumerate(leaves) if self.compresses(p.shape)}
-        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), qs
+        return _residuals(params, self.error_feedback), qs
 
     def mean(self, leaves, own, shared, exchange, n, axis_name):
-        v = [_f32(g) + r for g, r in zip(leaves, own)]
+        v = _with_residual(leaves, own)
         chosen = [i for i, x in enumerate(v) if str(i) in shared]
         mats = {i: v[i].reshape(as_matrix_shape(v[i].shape)) for i in chosen}
         plain = [i for i in range(len(v)) if i not in mats]
@@ -189,7 +207,8 @@ class PowerSGD:
             means[i] = approx.reshape(v[i].shape)
             residual[i] = _finite_or_zero(mats[i] - approx).reshape(v[i].shape)
             new_shared[str(i)] = qs[i]
-        return [m.astype(g.dtype) for m, g in zip(means, leaves)], residual, new_shared
+        return ([m.astype(g.dtype) for m, g in zip(means, leaves)], residual if self.error_feedback else own,
+                new_shared)
 
     def payload(self, shapes, n) -> dict:
         total = 0
@@ -203,21 +222,33 @@ class PowerSGD:
 
 
 def parse_codec(value):
-    """The codec called `value` (None / 'none': no compression, returns None); a bad name is an OptionError."""
+    """The codec called `value` (None / 'none': no compression, returns None); a bad name is an OptionError.
+    int8 and powersgd:R take a ':noef' suffix: the same codec without error feedback (int8:noef, powersgd:4:noef)."""
     if value is None or value == "none":
         return None
     if not isinstance(value, str):
         raise OptionError("compress", value, f"must be one of: {', '.join(CODECS)}")
+    base, colon, suffix = value.rpartition(":")
+    error_feedback = not (colon and suffix == NO_EF)
+    if not error_feedback:
+        if base in ("bf16", "fp16"):
+            raise OptionError("compress", value, f"{base} keeps no residual, so it has no :{NO_EF} variant; use "
+                                                 f"{base}, int8:{NO_EF} or powersgd:R:{NO_EF}")
+        value = base
     if value in ("bf16", "fp16"):
         return Cast(value)
     if value == "int8":
-        return Int8()
+        return Int8(error_feedback)
     name, _, rank = value.partition(":")
     if name == "powersgd":
         if not rank.isdigit() or int(rank) < 1:
-            raise OptionError("compress", value, "powersgd needs a rank R >= 1 after the colon, e.g. powersgd:4")
-        return PowerSGD(int(rank))
-    raise OptionError("compress", value, f"is not one of: {', '.join(CODECS)}")
+            example = "powersgd:4" if error_feedback else f"powersgd:4:{NO_EF}"
+            raise OptionError("compress", value if error_feedback else f"{value}:{NO_EF}",
+                              f"powersgd needs a rank R >= 1 after the colon, e.g. {example}")
+        return PowerSGD(int(rank), error_feedback)
+    raise OptionError("compress", value if error_feedback else f"{value}:{NO_EF}",
+                      f"is not one of: {', '.join(CODECS)} (int8 and powersgd:R also as int8:{NO_EF}, "
+                      f"powersgd:R:{NO_EF}: without error feedback)")
 
 
 class _Exchange:
