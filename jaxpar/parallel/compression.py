@@ -37,6 +37,9 @@ from jaxpar.errors import OptionError
 from jaxpar.parallel.collectives import Communicator, allgather, allreduce_sum, theoretical_traffic
 
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:R")
+# What a codec's `flops(shapes, n)` counts: the arithmetic the codec adds to a step, per device, by kind
+# ("elementwise", "matmul", "orthogonalise"); an estimate from the operations written here, not XLA's count (XLA
+# counts 20-45 FLOPs per element for the elementwise codecs, its own way; it does not count the QR, a LAPACK call).
 NO_EF = "noef"  # suffix of a codec without error feedback (int8:noef, powersgd:R:noef), for convergence studies
 INT8_CHUNK = 256  # elements per int8 scale: the scales add 4/256 = 1.6% to the codes' bytes
 FP16_MAX = 65504.0
@@ -76,6 +79,11 @@ class Cast:
         wire = [(_f32(x) * s).astype(self.dtype) for x, s in zip(leaves, scales)]
         summed = exchange.sum(wire)
         return [(_f32(t) / (s * n)).astype(x.dtype) for t, s, x in zip(summed, scales, leaves)], own, shared
+
+    def flops(self, shapes, n) -> dict:
+        """The codec's own arithmetic per device per step (see `CODEC_FLOPS_NOTE`): cast, decode and divide, and the
+        sum's add; fp16 also |x|, its max and the scaling."""
+        return {"elementwise": (4 if self.name == "bf16" else 7) * sum(math.prod(s) for s in shapes)}
 
     def payload(self, shapes, n) -> dict:
         size = sum(math.prod(s) for s in shapes)
@@ -139,6 +147,12 @@ class Int8:
             residual.append(_finite_or_zero(x - int8_decode(c, s, x.size).reshape(x.shape)))
             offset += k
         return out, residual if self.error_feedback else own, shared
+
+    def flops(self, shapes, n) -> dict:
+        """Per element: + residual, |x|, max, divide, round, clip (2), cast, own decode and the new residual (10),
+        then decoding and summing all N replicas' codes (3 N)."""
+        size = sum(-(-math.prod(s) // INT8_CHUNK) * INT8_CHUNK for s in shapes)
+        return {"elementwise": (10 + 3 * n) * size}
 
     def payload(self, shapes, n) -> dict:
         chunks = sum(-(-math.prod(s) // INT8_CHUNK) for s in shapes)
@@ -210,15 +224,28 @@ class PowerSGD:
         return ([m.astype(g.dtype) for m, g in zip(means, leaves)], residual if self.error_feedback else own,
                 new_shared)
 
-    def payload(self, shapes, n) -> dict:
-        total = 0
+    def flops(self, shapes, n) -> dict:
+        """Per compressed n x m matrix: M Q and M^T P (4 n m R) and the decoded P Q^T (2 n m R), a reduced QR of
+        P (about 4 n R^2: Householder factorisation and forming Q), and the residual's add and subtract (2 n m)."""
+        out = {"elementwise": 0, "matmul": 0, "orthogonalise": 0}
         for s in shapes:
             if self.compresses(s):
                 rows, cols = as_matrix_shape(s)
-                total += 4 * (rows + cols) * self.rank
+                out["matmul"] += 6 * rows * cols * self.rank
+                out["orthogonalise"] += 4 * rows * self.rank ** 2
+                out["elementwise"] += 2 * rows * cols
+        return out
+
+    def payload(self, shapes, n) -> dict:
+        """Two all-reduces: the P factors with the uncompressed leaves, then the Q factors."""
+        first = second = 0
+        for s in shapes:
+            if self.compresses(s):
+                rows, cols = as_matrix_shape(s)
+                first, second = first + 4 * rows * self.rank, second + 4 * cols * self.rank
             else:
-                total += 4 * math.prod(s)
-        return {"all-reduce": total}
+                first += 4 * math.prod(s)
+        return {"all-reduce": first, "all-reduce (Q)": second} if second else {"all-reduce": first}
 
 
 def parse_codec(value):
@@ -300,18 +327,26 @@ class CompressedCommunicator(Communicator):
         new_own = jax.tree.unflatten(jax.tree.structure(state[OWN]), [x[None] for x in own]) if own else state[OWN]
         return jax.tree.unflatten(treedef, means), {OWN: new_own, SHARED: shared}
 
-    def wire_bytes(self, shard_shapes, n: int) -> float:
-        """Bytes the busiest device sends per exchange, for gradients whose per-device shapes are `shard_shapes`
-        over `n` replicas (all-reduces priced by `theoretical_traffic` of this algorithm; all-gathers: (N-1) x
-        payload on a ring or torus2d, (N-1) x N x payload at the ps root; psum's all-gather like a ring)."""
-        total = 0.0
+    def traffic(self, shard_shapes, n: int) -> list[dict]:
+        """Per collective of the codec's exchange: {"collective", "bytes_sent_per_device" (the busiest device's),
+        "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas. All-reduces as
+        `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring or torus2d,
+        (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
+        out = []
         for kind, nbytes in self.codec.payload([tuple(s) for s in shard_shapes], n).items():
             if kind == "all-gather":
-                total += (n - 1) * nbytes * (n if self.name == "ps" else 1)
+                out.append({"collective": kind, "bytes_sent_per_device": (n - 1) * nbytes * (n if self.name == "ps"
+                                                                                              else 1),
+                            "steps": n - 1})
             else:
-                total += theoretical_traffic("psum" if kind.startswith("scales") else self.name, n, nbytes,
-                                             self.torus_x)["bytes_sent_per_device"]
-        return total
+                t = theoretical_traffic("psum" if kind.startswith("scales") else self.name, n, nbytes, self.torus_x)
+                out.append({"collective": kind, "bytes_sent_per_device": t["bytes_sent_per_device"],
+                            "steps": t["steps"]})
+        return out
+
+    def wire_bytes(self, shard_shapes, n: int) -> float:
+        """Bytes the busiest device sends per exchange (the sum of `traffic`)."""
+        return sum(t["bytes_sent_per_device"] for t in self.traffic(shard_shapes, n))
 
     def __repr__(self):
         return f"compressed({Communicator.__repr__(self)}, {self.codec.name!r})"
