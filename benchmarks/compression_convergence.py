@@ -252,9 +252,24 @@ def step_cost(args, mesh):
             ratios = [a / b for a, b in zip(r, base)]
             row = {"task": task, "codec": codec, "rates": r, "ratio": statistics.median(ratios)}
             results.append(row)
+            print(json.dumps(row), flush=True)
             print(f"| {codec} | {statistics.median(r):.1f} | {row['ratio']:.3f} | "
                   f"{min(ratios):.3f}-{max(ratios):.3f} |")
     return results
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    """The suite's summary cell (`python -m benchmarks`): step-time ratios, final losses or steps to target."""
+    lines = []
+    for r in rows:
+        if "ratio" in r:
+            lines.append(f"{r['task']} {r['codec']}: {r['ratio']:.3f} of uncompressed steps/s")
+        elif "final_train_loss" in r:
+            lines.append(f"{r['task']} {r['strategy']} {r['codec']} seed {r['seed']}: final loss "
+                         f"{r['final_train_loss']:.4f}")
+        elif "steps_to_target" in r:
+            lines.append(f"{r['task']} {r['strategy']} {r['codec']} {r['profile']}: steps {r['steps_to_target']}")
+    return lines or [f"{len(rows)} JSON rows"]
 
 
 def main():
