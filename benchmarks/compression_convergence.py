@@ -95,7 +95,9 @@ def convergence(args, mesh):
     for task in args.tasks.split(","):
         task_parts = make_task(task)
         for label, build in STRATEGIES:
-            for codec in (CODECS if label == "sync" else TIME_CODECS):
+            if args.strategies and label not in args.strategies.split(","):
+                continue
+            for codec in (args.codecs.split(",") if args.codecs else CODECS if label == "sync" else TIME_CODECS):
                 for seed in SEEDS[:args.seeds]:
                     run = train(task, label, build, codec, seed, args.steps or STEPS[task], task_parts, mesh)
                     if run is None:
@@ -277,6 +279,9 @@ def main():
     parser.add_argument("--part", default="all", choices=["convergence", "time", "cost", "all"])
     parser.add_argument("--tasks", default="mlp,transformer")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 300)")
+    parser.add_argument("--codecs", default=None, help=f"codecs separated by ',' (default: {','.join(CODECS)}; "
+                                                        f"local SGD: {','.join(TIME_CODECS)})")
+    parser.add_argument("--strategies", default=None, help="labels of STRATEGIES separated by ',' (default: all)")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), choices=range(1, len(SEEDS) + 1))
     parser.add_argument("--out", default=None, help="JSON file for the convergence runs (with per-step losses)")
     parser.add_argument("--load", default=None, help="--part time: the runs of an earlier --part convergence --out")

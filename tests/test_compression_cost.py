@@ -122,3 +122,12 @@ def test_the_advisor_weighs_codecs_against_the_link():
     assert "compress" not in unknown["plans"][0].strategy
     coded = [c for c in unknown["plans"] if "compress" in c.strategy]
     assert coded and all(c.steps_ratio is None for c in coded)
+
+
+def test_cli_plan_uses_the_measured_codec_steps_ratios_for_built_in_models():
+    from jaxpar.cli.planning import steps_ratios
+
+    ratios = steps_ratios("mlp")
+    assert ratios["sync compress=powersgd:4"] == pytest.approx(561 / 417)
+    assert ratios["sync compress=bf16"] == pytest.approx(416 / 417)
+    assert "local_sgd H=4" in ratios  # the strategies' ratios stay
