@@ -18,7 +18,7 @@ allocated, nothing trains):
 - with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.cost.hardware`), and a
   projected mean step time for every strategy, marked as a projection.
 
-Why about 390 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
+Why about 400 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
 """
 from __future__ import annotations
 
