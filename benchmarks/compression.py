@@ -36,7 +36,12 @@ def main():
     parser.add_argument("--model", default="mlp", choices=["mlp", "transformer"])
     parser.add_argument("--meshes", default="8;2x4", help="mesh specs separated by ';'")
     parser.add_argument("--allreduce", default="psum,ring", help="algorithms separated by ','")
+    parser.add_argument("--flops", action="store_true",
+                        help="instead: the compiled step's FLOPs per device with each codec minus without, per "
+                             "gradient element, against the codec's own count (psum; meshes 2 and 8)")
     args = parser.parse_args()
+    if args.flops:
+        return flops_table(args.model)
     jaxpar.make_mesh("8")  # before anything touches JAX: provides the CPU devices
     import optax
 
@@ -74,6 +79,41 @@ def main():
         match = f"{r['sent'] / r['stated']:.3f}" if r["stated"] else "-"
         print(f"| {r['mesh']} | {r['allreduce']} | {r['codec']} | {r['sent']:.0f} | {stated} | {match} | "
               f"{r['ratio']:.3f} |")
+
+
+def flops_table(model: str):
+    """XLA's FLOPs of the codec (the compiled step's with it minus without) against `codec.flops`, per element."""
+    import math
+
+    import optax
+
+    from jaxpar.cost.hlo import loop_flops
+    from jaxpar.runtime.resources import step_flops
+
+    jaxpar.make_mesh("8")
+    parts = (common.setup("mlp", hidden=128, dropout=0.0, batch_size=64) if model == "mlp" else
+             common.setup("transformer", dropout=0.0, layers=1, d_model=64, heads=4, d_ff=256, seq_len=64,
+                          batch_size=32))
+    print(f"\n{model}: FLOPs per device per step, XLA's count of the compiled step with the codec minus without "
+          f"(psum), and the codec's own count (`codec.flops`), per gradient element\n")
+    print("| replicas | codec | XLA delta | XLA per element | codec's count per element (without the QR) |")
+    print("|---|---|---|---|---|")
+    for n in (2, 8):
+        mesh = jaxpar.make_mesh(str(n), devices=jax.devices()[:n])
+        base = None
+        for codec in CODECS:
+            trainer = common.trainer(parts, mesh, optax.adam(1e-3), strategy=jaxpar.Sync("psum", compress=codec))
+            compiled = trainer.compiled_step("sync", parts.batch)
+            count = loop_flops(compiled, step_flops(compiled)).per_device
+            shapes = [x.shape for x in jax.tree.leaves(trainer.abstract_state().params)]
+            elements = sum(math.prod(s) for s in shapes)
+            if codec == "none":
+                base = count
+                continue
+            own = trainer.strategy.communicator.codec.flops(shapes, n)
+            stated = sum(v for k, v in own.items() if k != "orthogonalise")
+            print(f"| {n} | {codec} | {count - base:,.0f} | {(count - base) / elements:.2f} | "
+                  f"{stated / elements:.2f} |", flush=True)
 
 
 def summarize(rows: list[dict]) -> list[str]:

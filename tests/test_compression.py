@@ -193,7 +193,8 @@ def test_compiled_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):
 @pytest.mark.parametrize("value,message", [
     ("powersgd:0", "--compress 'powersgd:0': powersgd needs a rank R >= 1 after the colon, e.g. powersgd:4"),
     ("powersgd:x", "--compress 'powersgd:x': powersgd needs a rank R >= 1 after the colon, e.g. powersgd:4"),
-    ("int4", "--compress 'int4': is not one of: none, bf16, fp16, int8, powersgd:R"),
+    ("int4", "--compress 'int4': is not one of: none, bf16, fp16, int8, powersgd:R (int8 and powersgd:R also as "
+             "int8:noef, powersgd:R:noef: without error feedback)"),
 ])
 def test_bad_compress_values_are_one_line(value, message, capsys):
     assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "1", "--allreduce", "psum", "--compress",

@@ -72,7 +72,8 @@ class Config:
     strategy: str = _strategy(STRATEGIES[0], f"how replicas agree: {' | '.join(STRATEGIES)}")
     allreduce: str | None = _strategy(None, f"gradient/parameter averaging: {' | '.join(ALLREDUCE_ALGORITHMS)}")
     torus: int | None = _strategy(None, "torus2d: X of the X x Y grid over the data axis")
-    compress: str | None = _strategy(None, "gradient compression on the wire: none | bf16 | fp16 | int8 | powersgd:R")
+    compress: str | None = _strategy(None, "gradient compression on the wire: none | bf16 | fp16 | int8 | powersgd:R "
+                                           "(int8:noef, powersgd:R:noef: without error feedback)")
     sync_period: int | None = _strategy(None, "local steps between meetings H")
     local_after: int | None = _strategy(None, "post-local SGD: synchronous for the first K steps")
     outer_lr: float | None = _strategy(None, "outer Nesterov SGD learning rate")

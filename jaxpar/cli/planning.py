@@ -26,11 +26,24 @@ MEASURED_STEPS = {
 }
 
 
+# Steps to target of sync with an explicit allreduce and a codec, summed over seeds 0, 1, 2 (`python -m
+# benchmarks.compression_convergence --part time`, mesh 8, 300 steps; docs/compression.md): the uncompressed run of
+# each seed sets its target. A codec changes the math, so the advisor ranks its plans by step time x this ratio.
+MEASURED_CODEC_STEPS = {
+    "mlp": {"none": 417, "bf16": 416, "int8": 417, "powersgd:4": 561},
+    "transformer": {"none": 421, "bf16": 437, "int8": 467, "powersgd:4": 502},
+}
+
+
 def steps_ratios(model: str) -> dict:
     steps = MEASURED_STEPS.get(model, {})
     if Sync.name not in steps:
         return {}
-    return {label: count / steps[Sync.name] for label, count in steps.items() if label != Sync.name}
+    ratios = {label: count / steps[Sync.name] for label, count in steps.items() if label != Sync.name}
+    coded = MEASURED_CODEC_STEPS.get(model, {})
+    ratios.update({f"{Sync.name} compress={codec}": count / coded["none"] for codec, count in coded.items()
+                   if codec != "none"})
+    return ratios
 
 
 def _mesh_devices(spec: str) -> int | None:

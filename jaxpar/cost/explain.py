@@ -18,7 +18,7 @@ allocated, nothing trains):
 - with a hardware profile: each variant's projected compute and communication seconds (`jaxpar.cost.hardware`), and a
   projected mean step time for every strategy, marked as a projection.
 
-Why about 390 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
+Why about 400 lines: the report and its text (`format_explain`) are one contract that scripts read line by line.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpar.cost import fit as fitting
-from jaxpar.cost import pipelines, topology
+from jaxpar.cost import codecs, pipelines, topology
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.names import named_leaves
@@ -128,6 +128,12 @@ def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
                 "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
         if expected.kind == "ps":
             line["bytes_sent_per_device"] = (n - 1) * grad  # the root's traffic, the bottleneck
+        coded = codecs.report(trainer, line["bytes_sent_per_device"])
+        if coded:  # the codec's bytes are what crosses the wire; float32's stay in the words and the report
+            line["what"] += (f"; compressed by {coded['name']}: {coded['theory']}; "
+                             f"{coded['bytes_sent_per_device']:,.0f} bytes against float32's "
+                             f"{coded['float32_bytes']:,.0f} ({coded['ratio']:.3f})")
+            line.update(bytes_sent_per_device=coded["bytes_sent_per_device"], steps=coded["steps"], codec=coded)
         if expected.share < 1:
             line["per_step_over_period"] = line["bytes_sent_per_device"] * expected.share
             line["what"] += f"; once every {round(1 / expected.share)} steps"
@@ -172,6 +178,8 @@ def _expected(op, variant: str, trainer) -> bool:
             return not local
         if op.kind == "collective-permute":
             return explicit and not local
+        if op.kind in ("all-gather", "all-to-all") and codecs.codec_of(communicator) is not None:
+            return not local  # int8's codes are all-gathered; under psum a 16-bit sum is all-to-all + all-gather
         return op.kind == "reduce-scatter" and FSDP in axes  # gradients over data and fsdp in one op
     if FSDP in axes:
         return op.kind in ("all-gather", "reduce-scatter", "all-reduce")
@@ -366,6 +374,10 @@ def format_explain(report: dict) -> str:
             over = (f" ({t['per_step_over_period']:,.0f} per step averaged over the period)"
                     if "per_step_over_period" in t else "")
             lines.append(f"  theory, {t['axis']}: {t['what']}{expected}{over}")
+            if "codec" in t:
+                work = t["codec"]["flops"]
+                lines.append(f"  codec {t['codec']['name']} compute: {sum(work.values()):,} FLOPs per device per "
+                             f"step (" + ", ".join(f"{kind} {count:,}" for kind, count in work.items()) + ")")
         if v.get("unknown_loops"):
             lines.append(f"  while loops of unknown trip count, their collectives counted once per step: "
                          f"{', '.join(v['unknown_loops'])}")

@@ -12,13 +12,19 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   (`theoretical_traffic`: steps x alpha + bytes / bandwidth on the data link); local SGD and DiLoCo with period H
   take (H - 1) local steps (the compiled step minus its exchange over data) and one meeting (the whole step)
   per H (`Strategy.project`). Their memory is the compiled step's with the train state swapped for the
-  strategy's own (`Trainer.state_bytes_per_device`, from shapes only).
+  strategy's own (`Trainer.state_bytes_per_device`, from shapes only). Sync with an explicit allreduce and a codec
+  (`codecs`, default bf16, int8, powersgd:4) replaces it by the codec's exchange (its payload's textbook traffic)
+  plus the codec's compute at the sustained FLOP/s, and adds its error-feedback residuals to the memory
+  (`jaxpar.cost.codecs`); a codec changes the math, so its steps to target come from `steps_ratio` under its
+  label or "sync compress=CODEC".
 - Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
   no remat are applied to every mesh (an estimate, said in the output).
 - Time to a target loss: a strategy that averages less often may need more steps for the same loss. Those step
   ratios cannot be known before training; the advisor takes them from `steps_ratio` (default: none known, so plans
   are ranked by step time and local SGD / DiLoCo are marked "steps to target not known"). `benchmarks/
   strategies.py` measures such ratios for the built-in models; pass them as `steps_ratio={"local_sgd H=4": 1.25}`.
+
+Why about 300 lines: the candidates, their pricing and the ranking text are one contract with `run.py --plan`.
 
 Plans that do not fit a device's memory (the profile's `memory`, else the device's own) are listed with the
 reason, after the ones that do. Ranked by projected seconds per step (times the step ratio where known).
@@ -33,6 +39,7 @@ from jaxpar.errors import JaxparError
 
 DEFAULT_PERIODS = (4, 16)
 DEFAULT_REMATS = ("none", "full")
+DEFAULT_CODECS = ("bf16", "int8", "powersgd:4")  # sync with an explicit allreduce, its exchange compressed
 
 
 class Candidate(NamedTuple):
@@ -70,7 +77,7 @@ def mesh_specs(devices: int, stages: bool = False) -> list[str]:
     return specs
 
 
-def _strategies(periods):
+def _strategies(periods, codecs=DEFAULT_CODECS):
     """(label, strategy instance or None for the compiled sync, flags, how to price) of every candidate."""
     from jaxpar.strategies import DiLoCo, LocalSGD, Sync
 
@@ -78,6 +85,10 @@ def _strategies(periods):
     for algorithm in ("ring", "torus2d", "ps"):
         out.append((f"{Sync.name} allreduce={algorithm}", Sync(algorithm), f"--strategy {Sync.name} --allreduce {algorithm}",
                     ("allreduce", algorithm)))
+        for codec in codecs:
+            out.append((f"{Sync.name} allreduce={algorithm} compress={codec}", Sync(algorithm, compress=codec),
+                        f"--strategy {Sync.name} --allreduce {algorithm} --compress {codec}",
+                        ("compress", algorithm, codec, f"{Sync.name} compress={codec}")))
     for cls in (LocalSGD, DiLoCo):
         for h in periods:
             out.append((f"{cls.name} H={h}", cls(period=h), f"--strategy {cls.name} --sync-period {h}",
@@ -104,6 +115,20 @@ def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profi
     traffic = theoretical_traffic(algorithm, replicas, gradient_bytes)
     link = profile.link((mesh_lib.DATA,), "collective-permute")  # the algorithms are made of permutes
     return traffic["steps"] * link.alpha + traffic["bytes_sent_per_device"] / link.bandwidth
+
+
+def _codec_seconds(strategy, replicas: int, params: list[dict], profile) -> tuple[float, float, int]:
+    """(seconds of the compressed exchange on the data link, seconds of the codec's compute, bytes of its state per
+    device) for `params` (the plan's parameters: whole shapes and bytes per device; `jaxpar.cost.codecs`)."""
+    from jaxpar.cost import codecs
+    from jaxpar.parallel import mesh as mesh_lib
+
+    communicator = strategy.communicator
+    codec = codecs.codec_of(communicator)
+    shapes = [tuple(p["shape"]) if not communicator.per_shard else (p["bytes_per_device"] // 4,) for p in params]
+    state = sum(p["bytes_per_device"] for p in params) if getattr(codec, "error_feedback", False) else 0
+    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile.link((mesh_lib.DATA,)))
+    return wire, codecs.flops(codec, shapes, replicas) / profile.compute_flops, state
 
 
 def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
@@ -151,8 +176,8 @@ def _compile_meshes(specs, make_trainer, batch, workers: int | None) -> dict:
 
 
 def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices: int | None = None, *,
-         rules=None, meshes=None, periods=DEFAULT_PERIODS, remats=DEFAULT_REMATS, stages: bool = False,
-         steps_ratio: dict | None = None, progress: Callable[[str], None] | None = None,
+         rules=None, meshes=None, periods=DEFAULT_PERIODS, remats=DEFAULT_REMATS, codecs=DEFAULT_CODECS,
+         stages: bool = False, steps_ratio: dict | None = None, progress: Callable[[str], None] | None = None,
          workers: int | None = None) -> dict:
     """Ranks the plans for `model` (a factory, as `Trainer` takes), `loss_fn`, `optimizer` and global batches
     shaped like `batch` on `devices` devices (default: all) of the hardware profile `hardware` (see the module
@@ -179,7 +204,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
         raise ConfigError(f"plan: devices={devices}, but JAX has {len(pool)}; plan for at most {len(pool)}, or "
                           f"start with more (on CPU: run.py --plan --devices {devices} starts that many)")
     steps_ratio = dict(steps_ratio or {})
-    strategies = _strategies(periods)
+    strategies = _strategies(periods, codecs)
     plans, refused, ratios, remat_mesh, budget = [], {}, None, None, None
     specs = meshes or mesh_specs(devices, stages)
     built = _compile_meshes(specs, lambda spec: Trainer(model, loss_fn, optimizer, make_mesh(spec, devices=pool),
@@ -213,10 +238,17 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
         replicas = replica_count(mesh)
         gradient = int(sum(p["bytes_per_device"] for p in report["plan"]["parameters"]))
         for label, strategy, flags, how in strategies:
+            codec_state, codec_compute = 0, 0.0
             if how[0] == "allreduce":
                 if replicas <= 1:
                     continue  # no replicas to average over: the same as sync
                 seconds = compute + comm - exchange + _allreduce_seconds(how[1], replicas, gradient, profile)
+            elif how[0] == "compress":
+                if replicas <= 1:
+                    continue
+                wire, codec_compute, codec_state = _codec_seconds(strategy, replicas, report["plan"]["parameters"],
+                                                                  profile)
+                seconds = compute + comm - exchange + wire + codec_compute
             elif how[0] == "period":
                 if replicas <= 1:
                     continue
@@ -232,7 +264,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
                 continue
             for remat in remats:
                 temp_ratio, flops_ratio = ratios.get(remat, (1.0, 1.0))
-                memory = int(compiled_total - sync_state + state - temps + temps * temp_ratio)
+                memory = int(compiled_total - sync_state + state + codec_state - temps + temps * temp_ratio)
                 step = seconds + compute * (flops_ratio - 1.0)
                 estimated = [] if (how[0] == "compiled" and remat == "none") else ["memory"]
                 if remat != "none":
@@ -240,8 +272,10 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
                 plans.append(Candidate(
                     spec, label, f"--mesh {spec} {flags}" + (f" --remat {remat}" if remat != "none" else ""),
                     remat, step, memory, memory <= budget,
-                    1.0 if how[0] != "period" else steps_ratio.get(label),
-                    {"compute": compute * flops_ratio, "communication": step - compute * flops_ratio,
+                    1.0 if how[0] in ("compiled", "allreduce") else steps_ratio.get(
+                        label, steps_ratio.get(how[3]) if how[0] == "compress" else None),
+                    {"compute": compute * flops_ratio + codec_compute,
+                     "communication": step - compute * flops_ratio - codec_compute,
                      "exchange": exchange, "estimated": estimated}))
         if progress:
             progress(f"{spec}: compiled; sync {(compute + comm - hidden) * 1e3:.4g} ms per step projected")

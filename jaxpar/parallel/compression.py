@@ -23,6 +23,10 @@ per device, from which `CompressedCommunicator.wire_bytes` gives what the busies
   Other leaves are averaged uncompressed with the P round.
 
 Where: `Sync(allreduce=ALG, compress=CODEC)`; `compressed(communicator("ring"), "int8")` builds one directly.
+`int8:noef` / `powersgd:R:noef`: the same codecs without error feedback (no residual), for convergence studies.
+
+Why about 360 lines: a codec is one class holding its encode / decode, its wire payload and its FLOP count (what
+`jaxpar.cost.codecs` prices), so a codec is defined in one place; the exchange and the communicator frame them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ from jaxpar.errors import OptionError
 from jaxpar.parallel.collectives import Communicator, allgather, allreduce_sum, theoretical_traffic
 
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:R")
+# What a codec's `flops(shapes, n)` counts: the arithmetic the codec adds to a step, per device, by kind
+# ("elementwise", "matmul", "orthogonalise"); an estimate from the operations written here, not XLA's count (XLA
+# counts 20-45 FLOPs per element for the elementwise codecs, its own way; it does not count the QR, a LAPACK call).
+NO_EF = "noef"  # suffix of a codec without error feedback (int8:noef, powersgd:R:noef), for convergence studies
 INT8_CHUNK = 256  # elements per int8 scale: the scales add 4/256 = 1.6% to the codes' bytes
 FP16_MAX = 65504.0
 OWN, SHARED = "own", "shared"  # the two parts of a compressed communicator's state (see partitioning)
@@ -76,6 +84,11 @@ class Cast:
         summed = exchange.sum(wire)
         return [(_f32(t) / (s * n)).astype(x.dtype) for t, s, x in zip(summed, scales, leaves)], own, shared
 
+    def flops(self, shapes, n) -> dict:
+        """The codec's own arithmetic per device per step (see `CODEC_FLOPS_NOTE`): cast, decode and divide, and the
+        sum's add; fp16 also |x|, its max and the scaling."""
+        return {"elementwise": (4 if self.name == "bf16" else 7) * sum(math.prod(s) for s in shapes)}
+
     def payload(self, shapes, n) -> dict:
         size = sum(math.prod(s) for s in shapes)
         out = {"all-reduce": 2 * size}
@@ -97,18 +110,33 @@ def int8_decode(codes, scales, size: int):
     return (codes.astype(jnp.float32) * scales[..., None]).reshape(*codes.shape[:-2], -1)[..., :size]
 
 
-class Int8:
-    """int8 codes with per-chunk scales, error feedback, all-gathered and summed in float32."""
+def _residuals(params, error_feedback: bool):
+    """The per-replica state of an error-feedback codec: a float32 zero per leaf; without error feedback, none."""
+    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params) if error_feedback else ()
 
-    name, elementwise = "int8", True
+
+def _with_residual(leaves, own):
+    """v = gradient + residual (error feedback), or the gradient alone when the codec keeps no residual."""
+    return [_f32(g) + r for g, r in zip(leaves, own)] if own else [_f32(g) for g in leaves]
+
+
+class Int8:
+    """int8 codes with per-chunk scales, error feedback (unless `error_feedback=False`: the quantisation error is
+    dropped every step), all-gathered and summed in float32."""
+
+    elementwise = True
+
+    def __init__(self, error_feedback: bool = True):
+        self.error_feedback = error_feedback
+        self.name = "int8" if error_feedback else f"int8:{NO_EF}"
 
     def init(self, params):
-        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), ()
+        return _residuals(params, self.error_feedback), ()
 
     def mean(self, leaves, own, shared, exchange, n, axis_name):
         if not leaves:
             return leaves, own, shared
-        v = [_f32(g) + r for g, r in zip(leaves, own)]
+        v = _with_residual(leaves, own)
         # chunks never straddle two leaves: a leaf replicated over a within-replica axis then gets the same codes
         # on each of its devices, whatever the sharded leaves next to it hold
         encoded = [int8_encode(x.ravel()) for x in v]
@@ -122,7 +150,13 @@ class Int8:
             out.append(mean[offset:offset + k].reshape(-1)[:x.size].reshape(x.shape).astype(g.dtype))
             residual.append(_finite_or_zero(x - int8_decode(c, s, x.size).reshape(x.shape)))
             offset += k
-        return out, residual, shared
+        return out, residual if self.error_feedback else own, shared
+
+    def flops(self, shapes, n) -> dict:
+        """Per element: + residual, |x|, max, divide, round, clip (2), cast, own decode and the new residual (10),
+        then decoding and summing all N replicas' codes (3 N)."""
+        size = sum(-(-math.prod(s) // INT8_CHUNK) * INT8_CHUNK for s in shapes)
+        return {"elementwise": (10 + 3 * n) * size}
 
     def payload(self, shapes, n) -> dict:
         chunks = sum(-(-math.prod(s) // INT8_CHUNK) for s in shapes)
@@ -149,12 +183,14 @@ def powersgd_round(m, q, mean_fn):
 
 
 class PowerSGD:
-    """Rank-R PowerSGD with error feedback and warm start; runs on whole (auto-sharded) arrays."""
+    """Rank-R PowerSGD with error feedback (unless `error_feedback=False`) and warm start; runs on whole
+    (auto-sharded) arrays."""
 
     elementwise = False
 
-    def __init__(self, rank: int):
-        self.rank, self.name = rank, f"powersgd:{rank}"
+    def __init__(self, rank: int, error_feedback: bool = True):
+        self.rank, self.error_feedback = rank, error_feedback
+        self.name = f"powersgd:{rank}" + ("" if error_feedback else f":{NO_EF}")
 
     def compresses(self, shape) -> bool:
         """ndim >= 2 and the factors are smaller than the matrix: (n + m) R < n m."""
@@ -168,10 +204,10 @@ class PowerSGD:
         qs = {str(i): jax.random.normal(jax.random.fold_in(jax.random.key(0), i),
                                         (as_matrix_shape(p.shape)[1], self.rank), jnp.float32)
               for i, p in enumerate(leaves) if self.compresses(p.shape)}
-        return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), qs
+        return _residuals(params, self.error_feedback), qs
 
     def mean(self, leaves, own, shared, exchange, n, axis_name):
-        v = [_f32(g) + r for g, r in zip(leaves, own)]
+        v = _with_residual(leaves, own)
         chosen = [i for i, x in enumerate(v) if str(i) in shared]
         mats = {i: v[i].reshape(as_matrix_shape(v[i].shape)) for i in chosen}
         plain = [i for i in range(len(v)) if i not in mats]
@@ -189,35 +225,61 @@ class PowerSGD:
             means[i] = approx.reshape(v[i].shape)
             residual[i] = _finite_or_zero(mats[i] - approx).reshape(v[i].shape)
             new_shared[str(i)] = qs[i]
-        return [m.astype(g.dtype) for m, g in zip(means, leaves)], residual, new_shared
+        return ([m.astype(g.dtype) for m, g in zip(means, leaves)], residual if self.error_feedback else own,
+                new_shared)
 
-    def payload(self, shapes, n) -> dict:
-        total = 0
+    def flops(self, shapes, n) -> dict:
+        """Per compressed n x m matrix: M Q and M^T P (4 n m R) and the decoded P Q^T (2 n m R), a reduced QR of
+        P (about 4 n R^2: Householder factorisation and forming Q), and the residual's add and subtract (2 n m)."""
+        out = {"elementwise": 0, "matmul": 0, "orthogonalise": 0}
         for s in shapes:
             if self.compresses(s):
                 rows, cols = as_matrix_shape(s)
-                total += 4 * (rows + cols) * self.rank
+                out["matmul"] += 6 * rows * cols * self.rank
+                out["orthogonalise"] += 4 * rows * self.rank ** 2
+                out["elementwise"] += 2 * rows * cols
+        return out
+
+    def payload(self, shapes, n) -> dict:
+        """Two all-reduces: the P factors with the uncompressed leaves, then the Q factors."""
+        first = second = 0
+        for s in shapes:
+            if self.compresses(s):
+                rows, cols = as_matrix_shape(s)
+                first, second = first + 4 * rows * self.rank, second + 4 * cols * self.rank
             else:
-                total += 4 * math.prod(s)
-        return {"all-reduce": total}
+                first += 4 * math.prod(s)
+        return {"all-reduce": first, "all-reduce (Q)": second} if second else {"all-reduce": first}
 
 
 def parse_codec(value):
-    """The codec called `value` (None / 'none': no compression, returns None); a bad name is an OptionError."""
+    """The codec called `value` (None / 'none': no compression, returns None); a bad name is an OptionError.
+    int8 and powersgd:R take a ':noef' suffix: the same codec without error feedback (int8:noef, powersgd:4:noef)."""
     if value is None or value == "none":
         return None
     if not isinstance(value, str):
         raise OptionError("compress", value, f"must be one of: {', '.join(CODECS)}")
+    base, colon, suffix = value.rpartition(":")
+    error_feedback = not (colon and suffix == NO_EF)
+    if not error_feedback:
+        if base in ("bf16", "fp16"):
+            raise OptionError("compress", value, f"{base} keeps no residual, so it has no :{NO_EF} variant; use "
+                                                 f"{base}, int8:{NO_EF} or powersgd:R:{NO_EF}")
+        value = base
     if value in ("bf16", "fp16"):
         return Cast(value)
     if value == "int8":
-        return Int8()
+        return Int8(error_feedback)
     name, _, rank = value.partition(":")
     if name == "powersgd":
         if not rank.isdigit() or int(rank) < 1:
-            raise OptionError("compress", value, "powersgd needs a rank R >= 1 after the colon, e.g. powersgd:4")
-        return PowerSGD(int(rank))
-    raise OptionError("compress", value, f"is not one of: {', '.join(CODECS)}")
+            example = "powersgd:4" if error_feedback else f"powersgd:4:{NO_EF}"
+            raise OptionError("compress", value if error_feedback else f"{value}:{NO_EF}",
+                              f"powersgd needs a rank R >= 1 after the colon, e.g. {example}")
+        return PowerSGD(int(rank), error_feedback)
+    raise OptionError("compress", value if error_feedback else f"{value}:{NO_EF}",
+                      f"is not one of: {', '.join(CODECS)} (int8 and powersgd:R also as int8:{NO_EF}, "
+                      f"powersgd:R:{NO_EF}: without error feedback)")
 
 
 class _Exchange:
@@ -269,18 +331,26 @@ class CompressedCommunicator(Communicator):
         new_own = jax.tree.unflatten(jax.tree.structure(state[OWN]), [x[None] for x in own]) if own else state[OWN]
         return jax.tree.unflatten(treedef, means), {OWN: new_own, SHARED: shared}
 
-    def wire_bytes(self, shard_shapes, n: int) -> float:
-        """Bytes the busiest device sends per exchange, for gradients whose per-device shapes are `shard_shapes`
-        over `n` replicas (all-reduces priced by `theoretical_traffic` of this algorithm; all-gathers: (N-1) x
-        payload on a ring or torus2d, (N-1) x N x payload at the ps root; psum's all-gather like a ring)."""
-        total = 0.0
+    def traffic(self, shard_shapes, n: int) -> list[dict]:
+        """Per collective of the codec's exchange: {"collective", "bytes_sent_per_device" (the busiest device's),
+        "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas. All-reduces as
+        `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring or torus2d,
+        (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
+        out = []
         for kind, nbytes in self.codec.payload([tuple(s) for s in shard_shapes], n).items():
             if kind == "all-gather":
-                total += (n - 1) * nbytes * (n if self.name == "ps" else 1)
+                out.append({"collective": kind, "bytes_sent_per_device": (n - 1) * nbytes * (n if self.name == "ps"
+                                                                                              else 1),
+                            "steps": n - 1})
             else:
-                total += theoretical_traffic("psum" if kind.startswith("scales") else self.name, n, nbytes,
-                                             self.torus_x)["bytes_sent_per_device"]
-        return total
+                t = theoretical_traffic("psum" if kind.startswith("scales") else self.name, n, nbytes, self.torus_x)
+                out.append({"collective": kind, "bytes_sent_per_device": t["bytes_sent_per_device"],
+                            "steps": t["steps"]})
+        return out
+
+    def wire_bytes(self, shard_shapes, n: int) -> float:
+        """Bytes the busiest device sends per exchange (the sum of `traffic`)."""
+        return sum(t["bytes_sent_per_device"] for t in self.traffic(shard_shapes, n))
 
     def __repr__(self):
         return f"compressed({Communicator.__repr__(self)}, {self.codec.name!r})"

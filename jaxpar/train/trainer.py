@@ -31,7 +31,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.checks import check_int
-from jaxpar.cost.hardware import compiled_cost, parse_hardware
+from jaxpar.cost import codecs
+from jaxpar.cost.hardware import parse_hardware
 from jaxpar.cost.topology import aligned
 from jaxpar.errors import ConfigError, ModelCallError, ResourceError, StateError
 from jaxpar.parallel import mesh as mesh_lib
@@ -411,8 +412,9 @@ class Trainer:
 
     def _price(self, variant: str, compiled) -> None:
         if self.hardware is not None:
-            gradients = any(e.what == "gradients" for e in self.strategy.theory(self.ctx, variant, 0))
-            self.step_costs[variant] = compiled_cost(compiled, self.mesh, self.hardware, gradients)
+            expected = self.strategy.theory(self.ctx, variant, 0)
+            gradients = any(e.what == "gradients" for e in expected)
+            self.step_costs[variant] = codecs.compiled_step_cost(self, compiled, gradients, bool(expected))
 
     def compiled_step(self, variant: str, batch=None, inputs=None, remat=_OWN):
         """The compiled step `variant` for a global `batch` (arrays or `jax.ShapeDtypeStruct`s; default: the latest

@@ -1,0 +1,122 @@
+"""The price of a gradient codec (`jaxpar.parallel.compression`): the bytes and textbook seconds of its exchange on
+the data link, its own compute, and the theory `--explain` states for it.
+
+- Bytes: `CompressedCommunicator.traffic` (the codec's payload per collective, sent by the chosen algorithm).
+- Seconds of the exchange (the plan advisor, which does not compile codecs): per collective, steps x alpha +
+  bytes sent / bandwidth on the data link, as `jaxpar.cost.plan` prices an uncompressed hand-written all-reduce.
+- Compute: the codec's `flops(shapes, n)` (elementwise encode / decode, PowerSGD's matmuls 6 n m R and its
+  orthogonalisation about 4 n R^2 per matrix) at the profile's sustained FLOP/s. A compiled step's FLOPs already
+  hold what XLA counts of the codec (its elementwise work and matmuls), so `compiled_step_cost` adds only what XLA
+  does not count: the QR, a LAPACK call on CPU.
+- A compiled compressed step's HLO already carries the codec's bytes (bf16, int8), so the profile's `wire` dtype
+  (which models a native all-reduce in bf16) is not applied to it again.
+
+Elementwise work is priced as FLOPs; on an accelerator it is bound by memory bandwidth, which the profiles do not
+model, so on an A100 profile the codec's compute is a lower bound (docs/cost-model.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import jax
+from jax.sharding import NamedSharding
+
+
+def codec_of(communicator):
+    """The codec wrapping `communicator`'s exchange, or None."""
+    return getattr(communicator, "codec", None)
+
+
+def gradient_shapes(trainer) -> list[tuple]:
+    """The per-device gradient shapes the trainer's codec encodes: each device's shard for the elementwise codecs
+    (they run per shard), the whole arrays for PowerSGD (the compiler shards its matmuls)."""
+    per_shard = getattr(trainer.strategy.communicator, "per_shard", True)
+    out = []
+    for leaf in jax.tree.leaves(trainer.abstract_state(neutral=True).params):
+        sharding = getattr(leaf, "sharding", None)
+        whole = not per_shard or not isinstance(sharding, NamedSharding)
+        out.append(tuple(leaf.shape) if whole else tuple(sharding.shard_shape(leaf.shape)))
+    return out
+
+
+def exchange_seconds(communicator, shapes, n: int, link) -> float:
+    """Textbook seconds of the codec's exchange over `n` replicas on `link`: per collective, steps x alpha + bytes
+    the busiest device sends / bandwidth."""
+    if n <= 1:
+        return 0.0
+    return sum(t["steps"] * link.alpha + t["bytes_sent_per_device"] / link.bandwidth
+               for t in communicator.traffic(shapes, n))
+
+
+def flops(codec, shapes, n: int) -> float:
+    """All the codec's own FLOPs per device per step."""
+    return float(sum(codec.flops(shapes, n).values()))
+
+
+def uncounted_flops(codec, shapes, n: int) -> float:
+    """The codec's FLOPs that XLA's cost analysis of a compiled step misses: PowerSGD's QR (a LAPACK custom call)."""
+    return float(codec.flops(shapes, n).get("orthogonalise", 0))
+
+
+def compiled_step_cost(trainer, compiled, gradients: bool, exchanges: bool):
+    """`jaxpar.cost.hardware.compiled_cost` of a compiled step of `trainer`, with its codec priced: no wire-dtype
+    scaling of bytes the codec already encoded, plus the codec's compute XLA does not count (in a variant that
+    `exchanges` over the replica axis)."""
+    from jaxpar.cost.hardware import compiled_cost
+
+    profile = trainer.hardware
+    codec = codec_of(trainer.strategy.communicator)
+    if codec is None:
+        return compiled_cost(compiled, trainer.mesh, profile, gradients)
+    cost = compiled_cost(compiled, trainer.mesh, replace(profile, wire="float32"), gradients)
+    if not exchanges:
+        return cost
+    extra = uncounted_flops(codec, gradient_shapes(trainer), trainer.num_replicas) / profile.compute_flops
+    return cost._replace(compute=cost.compute + extra)
+
+
+def _matrices(codec, shapes) -> str:
+    from jaxpar.parallel.compression import as_matrix_shape
+
+    shown = []
+    for s in dict.fromkeys(tuple(s) for s in shapes):
+        if codec.compresses(s):
+            n, m = as_matrix_shape(s)
+            shown.append(f"{n}x{m} {(n + m) * codec.rank / (n * m):.3f}")
+    more = f", and {len(shown) - 6} more" if len(shown) > 6 else ""
+    return ", ".join(shown[:6]) + more if shown else "none"
+
+
+def theory_text(codec, shapes, n: int) -> str:
+    """What theory says the codec sends, against float32 (the `--explain` line's words)."""
+    from jaxpar.parallel.compression import INT8_CHUNK, Cast, Int8, PowerSGD
+
+    if isinstance(codec, Cast):
+        extra = ", plus one float32 scale per leaf (pmax)" if codec.name == "fp16" else ""
+        return f"{codec.name} on the wire: 1/2 of float32{extra}"
+    if isinstance(codec, Int8):
+        return (f"int8 codes + a float32 scale per {INT8_CHUNK} elements, all-gathered ((N-1) x n bytes against "
+                f"float32's ring 2(N-1)/N x 4n): N/8 x (1 + 4/{INT8_CHUNK}) = {n / 8 * (1 + 4 / INT8_CHUNK):.3f} of "
+                f"float32 on {n} replicas, plus padding to whole chunks")
+    if isinstance(codec, PowerSGD):
+        return (f"PowerSGD R={codec.rank}: P (n x R) and Q (m x R) instead of n x m, (n+m)R/(nm) per matrix "
+                f"({_matrices(codec, shapes)}); vectors and small matrices whole")
+    return f"{getattr(codec, 'name', type(codec).__name__)}: its own payload"
+
+
+def report(trainer, float32_bytes: float) -> dict | None:
+    """The codec's part of an `--explain` variant: its name, the bytes its exchange sends per device against the
+    float32 exchange's (`float32_bytes`, theory), theory's words, and its FLOPs per device by kind."""
+    communicator = trainer.strategy.communicator
+    codec = codec_of(communicator)
+    n = trainer.num_replicas
+    if codec is None or n <= 1:
+        return None
+    shapes = gradient_shapes(trainer)
+    traffic = communicator.traffic(shapes, n)
+    sent = sum(t["bytes_sent_per_device"] for t in traffic)
+    return {"name": codec.name, "bytes_sent_per_device": sent, "steps": sum(t["steps"] for t in traffic),
+            "float32_bytes": float32_bytes, "ratio": sent / float32_bytes if float32_bytes else None,
+            "theory": theory_text(codec, shapes, n), "flops": {k: int(v) for k, v in codec.flops(shapes, n).items()},
+            "elements": sum(math.prod(s) for s in shapes)}

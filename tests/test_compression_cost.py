@@ -1,0 +1,133 @@
+"""Compression in `--explain` and the cost model (`jaxpar.cost.codecs`): the theory line carries the compressed
+bytes, "sent by the busiest device" counts them, a compiled compressed step is priced with the codec's bytes and
+compute, and a slow data link makes a codec win where a fast one makes it lose (sim_time and the plan advisor)."""
+
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpar
+from jaxpar.cost import codecs
+from jaxpar.cost import plan as advisor
+from jaxpar.cost.explain import format_explain
+from jaxpar.parallel.mesh import REPLICA_AXIS
+from tests.helpers import batch_for, trainer_for
+from tests.test_plan import BATCH, MESHES, Wide, loss
+
+SLOW_LINK = "flops=1e9,alpha=1e-6,bandwidth=1e12,data.alpha=1e-6,data.bandwidth=1e5"  # 100 KB/s between replicas
+FAST_LINK = "flops=1e8,alpha=1e-6,bandwidth=1e12"  # free bytes, slow devices: the codec's compute shows
+
+
+def _sent_over_data(text: str) -> int:
+    return int(re.search(r"sent by the busiest device: ([\d,]+) bytes over data", text).group(1).replace(",", ""))
+
+
+def _explained(codec: str):
+    strategy = jaxpar.Sync(allreduce="psum", compress=codec)
+    trainer = trainer_for("mlp", "8", strategy=strategy)
+    report = jaxpar.explain(trainer, batch_for("mlp", 16))
+    return trainer, report, format_explain(report)
+
+
+@pytest.mark.parametrize("codec,ratio", [("bf16", 0.5), ("int8", None), ("powersgd:4", None)])
+def test_explain_states_the_compressed_bytes_and_the_busiest_device_sends_them(codec, ratio):
+    _, plain, plain_text = _explained("none")
+    trainer, report, text = _explained(codec)
+    line = report["variants"]["sync"]["theory"][0]
+    shapes = codecs.gradient_shapes(trainer)
+    stated = trainer.strategy.communicator.wire_bytes(shapes, 8)
+    assert line["bytes_sent_per_device"] == stated and line["codec"]["name"] == codec
+    float32 = plain["variants"]["sync"]["theory"][0]["bytes_sent_per_device"]
+    assert line["codec"]["float32_bytes"] == float32 and line["codec"]["ratio"] == pytest.approx(stated / float32)
+    # the line scripts read: the compiled HLO's bytes, i.e. the codec's (plus the 8-byte loss mean's 14)
+    sent = _sent_over_data(text)
+    assert abs(sent - stated) <= 0.05 * stated, (sent, stated)
+    if ratio:
+        assert sent / _sent_over_data(plain_text) == pytest.approx(ratio, abs=0.01)
+    assert f"compressed by {codec}" in text and f"codec {codec} compute: " in text
+    assert "0 collective(s) not explained by theory" in text  # int8's all-gather, bf16's all-to-all are expected
+
+
+def test_explain_states_theory_per_codec():
+    _, _, text = _explained("int8")
+    assert "N/8 x (1 + 4/256) = 1.016 of float32 on 8 replicas" in text
+    _, _, text = _explained("powersgd:4")
+    # the tiny MLP: 64x32 and 32x10 compressed, (n + m) R / (n m)
+    assert f"64x32 {96 * 4 / (64 * 32):.3f}, 32x10 {42 * 4 / 320:.3f}" in text
+
+
+def test_codec_flops_count_powersgd_matmuls_and_orthogonalisation():
+    work = jaxpar.parallel.compression.PowerSGD(4).flops([(64, 32), (32, 10), (10,)], 8)
+    assert work == {"matmul": 6 * 4 * (64 * 32 + 32 * 10), "orthogonalise": 4 * 16 * (64 + 32),
+                    "elementwise": 2 * (64 * 32 + 32 * 10)}
+    assert jaxpar.parallel.compression.Int8().flops([(300,)], 8) == {"elementwise": 34 * 512}
+
+
+def test_a_compiled_compressed_step_is_priced_with_the_codecs_bytes_and_uncounted_compute():
+    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress="powersgd:4"),
+                          hardware=FAST_LINK)
+    trainer.step(trainer.init(0), batch_for("mlp", 16))  # a step prices its compiled variant
+    cost = trainer.variant_cost("sync")
+    from jaxpar.cost.hardware import compiled_cost, parse_hardware
+    plain = compiled_cost(trainer.compiled_step("sync", batch_for("mlp", 16)), trainer.mesh,
+                          parse_hardware(FAST_LINK))
+    qr = 4 * 16 * (64 + 32)  # the QRs XLA's count misses
+    assert cost.compute - plain.compute == pytest.approx(qr / 1e8, rel=1e-6)
+    # a bf16 wire profile does not halve bytes the codec already encoded
+    bf16 = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress="bf16"),
+                       hardware=SLOW_LINK + ",wire=bfloat16")
+    f32 = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress="bf16"), hardware=SLOW_LINK)
+    for t in (bf16, f32):
+        t.step(t.init(0), batch_for("mlp", 16))
+    assert bf16.variant_cost("sync").comm == f32.variant_cost("sync").comm > 0
+
+
+def _sim_time(codec, hardware, steps=2):
+    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress=codec), hardware=hardware)
+    state, times = trainer.init(0), []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch_for("mlp", 16))
+        times.append(float(metrics["sim_time"]))
+    return times
+
+
+def test_a_slow_data_link_makes_powersgd_win_sim_time_and_a_fast_one_makes_it_lose():
+    slow = {c: _sim_time(c, SLOW_LINK) for c in ("none", "powersgd:4")}
+    assert slow["powersgd:4"][-1] < 0.5 * slow["none"][-1], slow
+    fast = {c: _sim_time(c, FAST_LINK) for c in ("none", "powersgd:4")}
+    assert fast["powersgd:4"][-1] > fast["none"][-1], fast
+
+
+def test_the_advisor_weighs_codecs_against_the_link():
+    ratios = {"sync compress=powersgd:4": 1.0, "sync compress=int8": 1.0, "sync compress=bf16": 1.0}
+    meshes = MESHES[:1]  # data=4: the exchange crosses the data link
+    slow = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
+                        periods=(), steps_ratio=ratios)
+    labels = [c.strategy for c in slow["plans"]]
+    assert labels[0].endswith("compress=powersgd:4"), labels
+    best = slow["plans"][0]
+    assert "--compress powersgd:4" in best.flags and best.parts["compute"] > 0
+    fast = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, FAST_LINK, 4, meshes=meshes, remats=("none",),
+                        periods=(), steps_ratio=ratios)
+    labels = [c.strategy for c in fast["plans"]]
+    assert "compress" not in labels[0] and labels.index("sync allreduce=ring compress=powersgd:4") > \
+        labels.index("sync allreduce=ring"), labels
+    # without a measured steps ratio a codec's plan is not ranked on time alone
+    unknown = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
+                           periods=())
+    assert "compress" not in unknown["plans"][0].strategy
+    coded = [c for c in unknown["plans"] if "compress" in c.strategy]
+    assert coded and all(c.steps_ratio is None for c in coded)
+
+
+def test_cli_plan_uses_the_measured_codec_steps_ratios_for_built_in_models():
+    from jaxpar.cli.planning import steps_ratios
+
+    ratios = steps_ratios("mlp")
+    assert ratios["sync compress=powersgd:4"] == pytest.approx(561 / 417)
+    assert ratios["sync compress=bf16"] == pytest.approx(416 / 417)
+    assert "local_sgd H=4" in ratios  # the strategies' ratios stay
