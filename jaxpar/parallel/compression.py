@@ -88,7 +88,9 @@ def int8_encode(flat):
     """(codes int8 [K, C], scales float32 [K]) of a float32 vector (zero-padded to K x INT8_CHUNK)."""
     chunks = jnp.pad(flat, (0, -flat.shape[0] % INT8_CHUNK)).reshape(-1, INT8_CHUNK)
     amax = jnp.max(jnp.abs(chunks), axis=1)
-    scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # non-finite amax: a non-finite scale, so the mean is too
+    # an all-zero chunk: scale 1; a non-finite amax (NaN too, which `amax > 0` would have taken for 0): a
+    # non-finite scale, so the mean is too and the trainer's guard sees it
+    scales = jnp.where(amax == 0, 1.0, amax / 127.0)
     codes = jnp.clip(jnp.round(chunks / scales[:, None]), -127, 127)
     return jnp.where(jnp.isfinite(codes), codes, 0).astype(jnp.int8), scales
 
@@ -243,7 +245,7 @@ class CompressedCommunicator(Communicator):
 
     def __init__(self, base: Communicator, codec):
         super().__init__(base.name, base.torus_x)
-        self.codec = codec
+        self.base, self.codec = base, codec  # (base: the uncompressed exchange, e.g. post-local SGD's warm-up)
 
     @property
     def native(self) -> bool:
