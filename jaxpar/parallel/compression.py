@@ -22,7 +22,8 @@ per device, from which `CompressedCommunicator.wire_bytes` gives what the busies
   Q = M^T orth(P) (m x R, averaged); the mean is orth(P) Q^T and Q is kept for the next step (warm start).
   Other leaves are averaged uncompressed with the P round.
 
-Where: `Sync(allreduce=ALG, compress=CODEC)`; `compressed(communicator("ring"), "int8")` builds one directly.
+Where: `Sync(allreduce=ALG, compress=CODEC)` (the gradient), `LocalSGD` / `DiLoCo(compress=CODEC)` (a meeting's
+outer gradients); `compressed(communicator("ring"), "int8")` builds one directly.
 """
 
 from __future__ import annotations
