@@ -3,11 +3,13 @@ codec's own count (`CompressedCommunicator.wire_bytes`) and against the uncompre
 
     python -m benchmarks.compression                       # the digits MLP (hidden 128) on 8 and 2x4, psum and ring
     python -m benchmarks.compression --model transformer   # the default transformer
+    python -m benchmarks.compression --strategy local_sgd  # a local SGD meeting (its outer gradient compressed)
 
 "sent" is the bytes the busiest device sends over `data` per step (`jaxpar.cost.hlo.bytes_sent` of every
 collective whose groups span exactly the data axis: the codec's exchange plus the loss / accuracy pmean, 8
-bytes). "stated" is the codec's count for this device's gradient shapes (its shard for the elementwise codecs,
-which run per device; the whole arrays for PowerSGD). "ratio" is sent / the uncompressed explicit step's sent.
+bytes; a local SGD meeting's metrics stay per replica, so a meeting sends the codec's exchange alone). "stated" is
+the codec's count for this device's gradient shapes (its shard for the elementwise codecs, which run per device;
+the whole arrays for PowerSGD). "ratio" is sent / the uncompressed explicit step's sent.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from benchmarks import common
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:4")
 
 
-def sent_over_data(trainer, batch) -> float:
+STRATEGIES = {"sync": ("Sync", "sync"), "local_sgd": ("LocalSGD", "meet")}  # -> (class, the step variant measured)
+
+
+def sent_over_data(trainer, batch, variant="sync") -> float:
     from jaxpar.cost.hlo import bytes_sent, collective_ops
     from jaxpar.parallel.mesh import REPLICA_AXIS
 
-    ops = collective_ops(trainer.compiled_step("sync", batch), trainer.mesh)
+    ops = collective_ops(trainer.compiled_step(variant, batch), trainer.mesh)
     return sum(bytes_sent(op) for op in ops if op.axes == (REPLICA_AXIS,))
 
 
@@ -39,6 +44,8 @@ def main():
     parser.add_argument("--flops", action="store_true",
                         help="instead: the compiled step's FLOPs per device with each codec minus without, per "
                              "gradient element, against the codec's own count (psum; meshes 2 and 8)")
+    parser.add_argument("--strategy", default="sync", choices=list(STRATEGIES),
+                        help="sync: the gradient exchange of a step; local_sgd: a meeting's (DiLoCo sends the same)")
     args = parser.parse_args()
     if args.flops:
         return flops_table(args.model)
@@ -50,15 +57,17 @@ def main():
     else:
         parts = common.setup("transformer", dropout=0.0, batch_size=32)
     rows = []
+    cls, variant = STRATEGIES[args.strategy]
+    cls = getattr(jaxpar, cls)
     for spec in args.meshes.split(";"):
         mesh = jaxpar.make_mesh(spec)
         for algorithm in args.allreduce.split(","):
             base = None
             for codec in CODECS:
-                strategy = jaxpar.Sync(allreduce=algorithm, compress=codec)
+                strategy = cls(allreduce=algorithm, compress=codec)
                 trainer = common.trainer(parts, mesh, optax.adam(1e-3), strategy=strategy)
                 trainer.init(0)
-                sent = sent_over_data(trainer, parts.batch)
+                sent = sent_over_data(trainer, parts.batch, variant)
                 base = sent if codec == "none" else base
                 comm = trainer.strategy.communicator
                 stated = None
@@ -67,11 +76,13 @@ def main():
                     shapes = [s.shard_shape(x.shape) if comm.per_shard else x.shape for x, s in zip(
                         jax.tree.leaves(abstract), jax.tree.leaves(shardings))]
                     stated = comm.wire_bytes(shapes, trainer.num_replicas)
-                row = {"model": args.model, "mesh": spec, "allreduce": algorithm, "codec": codec, "sent": sent,
-                       "stated": stated, "ratio": sent / base if base else None}
+                row = {"model": args.model, "strategy": args.strategy, "mesh": spec, "allreduce": algorithm,
+                       "codec": codec, "sent": sent, "stated": stated, "ratio": sent / base if base else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{args.model}: bytes sent per device over data per step, compiled HLO vs the codec's count\n")
+    what = "per step" if variant == "sync" else "per meeting"
+    print(f"\n{args.model}, {args.strategy}: bytes sent per device over data {what}, compiled HLO vs the codec's "
+          f"count\n")
     print("| mesh | allreduce | codec | sent (HLO) | stated | sent / stated | sent / uncompressed |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

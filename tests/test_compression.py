@@ -212,8 +212,8 @@ def test_compress_without_an_explicit_allreduce_is_refused_in_one_line(capsys):
         jaxpar.Sync(compress="int8")
 
 
-def test_compress_applies_only_to_sync(capsys):
-    assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "1", "--strategy", "local_sgd", "--compress",
+def test_compress_does_not_apply_to_ssp(capsys):  # (local SGD / DiLoCo: tests/test_compression_meetings.py)
+    assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "1", "--strategy", "ssp", "--compress",
                      "bf16"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--compress" in err and "sync" in err and "\n" not in err

@@ -22,7 +22,8 @@ per device, from which `CompressedCommunicator.wire_bytes` gives what the busies
   Q = M^T orth(P) (m x R, averaged); the mean is orth(P) Q^T and Q is kept for the next step (warm start).
   Other leaves are averaged uncompressed with the P round.
 
-Where: `Sync(allreduce=ALG, compress=CODEC)`; `compressed(communicator("ring"), "int8")` builds one directly.
+Where: `Sync(allreduce=ALG, compress=CODEC)` (the gradient), `LocalSGD` / `DiLoCo(compress=CODEC)` (a meeting's
+outer gradients); `compressed(communicator("ring"), "int8")` builds one directly.
 `int8:noef` / `powersgd:R:noef`: the same codecs without error feedback (no residual), for convergence studies.
 
 Why about 360 lines: a codec is one class holding its encode / decode, its wire payload and its FLOP count (what
@@ -101,7 +102,9 @@ def int8_encode(flat):
     """(codes int8 [K, C], scales float32 [K]) of a float32 vector (zero-padded to K x INT8_CHUNK)."""
     chunks = jnp.pad(flat, (0, -flat.shape[0] % INT8_CHUNK)).reshape(-1, INT8_CHUNK)
     amax = jnp.max(jnp.abs(chunks), axis=1)
-    scales = jnp.where(amax > 0, amax / 127.0, 1.0)  # non-finite amax: a non-finite scale, so the mean is too
+    # an all-zero chunk: scale 1; a non-finite amax (NaN too, which `amax > 0` would have taken for 0): a
+    # non-finite scale, so the mean is too and the trainer's guard sees it
+    scales = jnp.where(amax == 0, 1.0, amax / 127.0)
     codes = jnp.clip(jnp.round(chunks / scales[:, None]), -127, 127)
     return jnp.where(jnp.isfinite(codes), codes, 0).astype(jnp.int8), scales
 
@@ -305,7 +308,7 @@ class CompressedCommunicator(Communicator):
 
     def __init__(self, base: Communicator, codec):
         super().__init__(base.name, base.torus_x)
-        self.codec = codec
+        self.base, self.codec = base, codec  # (base: the uncompressed exchange, e.g. post-local SGD's warm-up)
 
     @property
     def native(self) -> bool:

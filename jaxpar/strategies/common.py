@@ -8,10 +8,11 @@ import itertools
 
 from jaxpar.checks import check_int
 from jaxpar.cost.simulator import Stragglers, parse_stragglers, simulate
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, OptionError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import Communicator
 from jaxpar.parallel.collectives import communicator as make_communicator
+from jaxpar.parallel.compression import compressed, parse_codec
 from jaxpar.strategies.base import Expected
 
 # Counts that only matter up to the run's length are planned for at least this many steps, so that a resumed run
@@ -55,6 +56,18 @@ class StrategyBase:
     @property
     def torus_x(self) -> int | None:
         return None if self.communicator is None else self.communicator.torus_x
+
+    def _compress(self, compress) -> None:
+        """Wraps this strategy's exchange over the replica axis in the codec `compress` names (None / 'none':
+        unchanged; a codec object is taken as it is). A codec wraps a hand-written exchange; the compiler's
+        averaging (`Sync()`'s default, no communicator) has none to wrap, so it needs an explicit allreduce."""
+        codec = parse_codec(compress) if compress is None or isinstance(compress, str) else compress
+        if codec is None:
+            return
+        if self.communicator is None:
+            raise OptionError("compress", compress, "needs an explicit {allreduce} (psum, ring, torus2d or ps) to "
+                                                    "wrap; the compiler's averaging cannot be compressed")
+        self.communicator = compressed(self.communicator, codec)
 
     def check_against_mesh(self, ctx) -> None:
         """The checks that need the replica count, run when the trainer is built (before anything compiles)."""

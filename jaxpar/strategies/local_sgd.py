@@ -11,6 +11,11 @@ local steps with no communication at all. Every `period` steps the replicas meet
   for an outer optimizer (Nesterov momentum by default, Douillard et al. 2023) that moves the anchor; replicas
   restart from it. With `optax.sgd(1.0)` as outer optimizer DiLoCo is exactly LocalSGD.
 
+`compress=CODEC` (bf16, fp16, int8, powersgd:R; docs/compression.md) compresses what a meeting sends: each replica's
+outer gradient `anchor - replica params` (as Streaming DiLoCo quantizes outer gradients), with its error-feedback
+residual per replica in `comm_state`; the mean parameters are `anchor - decoded mean`. Post-local SGD's warm-up
+steps average their gradients uncompressed (the codec's state holds outer-gradient residuals only).
+
 `state.params` is the anchor: the parameters as of the last meeting (evaluation and `trainer.params` use it).
 Metrics of a meeting step include `replica_divergence`: the mean over replicas of ||theta_i - mean theta|| /
 ||mean theta|| just before averaging.
@@ -22,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.parallel.partitioning import optimizer_shardings, stacked
+from jaxpar.parallel.partitioning import communicator_specs, optimizer_shardings, stacked
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
@@ -33,23 +38,24 @@ SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
 
 class LocalSGD(StrategyBase):
     name = "local_sgd"
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0}
+    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none"}
     local_statistics = True
     REDUCE_NOTE = "the {replicas} replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
     def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str | None = None,
-                 torus_x: int | None = None, stragglers=None):
+                 torus_x: int | None = None, stragglers=None, compress: str | None = None):
         cls = type(self).__name__
         check_int(f"{cls}(period=...)", period, 1, "steps between meetings; 1 = average after every step")
         check_int(f"{cls}(local_after=...)", local_after, 0, "synchronous steps first; 0 = local from the start")
         super().__init__(allreduce, torus_x, stragglers)
+        self._compress(compress)  # (the default allreduce is psum: always a hand-written exchange to wrap)
         self.period, self.local_after = period, local_after
         self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "LocalSGD":
         return cls(options["sync_period"], min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options))
+                   **cls._common(options), compress=options.get("compress"))
 
     # --- state -----------------------------------------------------------------------------------------------
     @classmethod
@@ -115,7 +121,8 @@ class LocalSGD(StrategyBase):
 
     def theory(self, ctx, variant: str, gradient_bytes: int):
         if variant == "meet":
-            return [self._exchange("parameters", gradient_bytes, 1 / self.period)]
+            what = "outer gradients" if _codec(self.communicator) else "parameters"
+            return [self._exchange(what, gradient_bytes, 1 / self.period)]
         return [self._exchange("gradients", gradient_bytes)] if variant == "sync" else []
 
     # --- steps -------------------------------------------------------------------------------------------------
@@ -164,6 +171,12 @@ class LocalSGD(StrategyBase):
         return step
 
     def _sync_step(self, ctx):
+        # post-local SGD's warm-up averages gradients uncompressed, leaving the codec's state (the residuals of
+        # outer gradients, another quantity) alone: docs/compression.md, "At local SGD / DiLoCo meetings"
+        compressing = _codec(ctx.communicator) is not None
+        if compressing:
+            ctx = ctx._replace(communicator=ctx.communicator.base)
+
         def own(replica, anchor_model_state, batch, key, comm_state):
             replica, metrics, comm_state = self._replica_update(ctx, rep.take_own(replica), batch, key, True,
                                                                 comm_state)
@@ -175,7 +188,8 @@ class LocalSGD(StrategyBase):
 
         def step(state, batch, inputs):
             replica, (params, model_state), metrics, comm_state = sharded(
-                state.strategy_state, state.model_state, batch, step_key(state), state.comm_state)
+                state.strategy_state, state.model_state, batch, step_key(state), () if compressing else state.comm_state)
+            comm_state = state.comm_state if compressing else comm_state
             return state._replace(step=state.step + 1, params=params, model_state=model_state,
                                   strategy_state=replica, comm_state=comm_state), metrics
 
@@ -189,23 +203,25 @@ class LocalSGD(StrategyBase):
             # so the meeting's only collective over data is the average itself)
             old = rep.take_own(replica)
             replica, metrics = self._own_update(ctx, replica, batch, key)
-            mean_params, comm_state = rep.mean_params_like(ctx, replica["params"], comm_state)
+            mean_params, outer_grad, new_comm = self._average(ctx, anchor_params, replica["params"], comm_state)
             distance = jnp.sqrt(rep.tree_sq_norm(jax.tree.map(jnp.subtract, replica["params"], mean_params)))
             divergence = distance / jnp.sqrt(rep.tree_sq_norm(mean_params))
-            params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params)
+            params, opt_state = self._outer_update(ctx, anchor_params, anchor_opt_state, mean_params, outer_grad)
             model_state = rep.mean_batch_stats(replica["model_state"])
             replica = {"params": params, "opt_state": replica["opt_state"], "model_state": model_state}
             anchor = (params, opt_state, rep.unfold_rng_keys(model_state, anchor_model_state))
             # the meeting's result (the same on every replica: no collective needed to agree on it) must be finite
-            # too, e.g. an outer step that overflows; if not, the whole meeting is skipped (or flagged)
+            # too, e.g. an outer step that overflows; if not, the whole meeting is skipped (or flagged), the codec's
+            # state (error-feedback residuals, PowerSGD's Q) included
             before = (anchor_params, anchor_opt_state, anchor_model_state)
-            (replica, anchor), metrics = rep.guard_meeting(ctx, (old, before), (replica, anchor), metrics)
+            ((replica, comm_state), anchor), metrics = rep.guard_meeting(ctx, ((old, comm_state), before),
+                                                                         ((replica, new_comm), anchor), metrics)
             return rep.as_own(replica), anchor, report({**metrics, "replica_divergence": divergence}), comm_state
 
-        sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SAME, SAME, SAME, BATCH, SAME, SAME),
-                                  out_specs=(SHARDED, SAME, metrics_spec, SAME))
-
         def step(state, batch, inputs):
+            comm = communicator_specs(state.comm_state)  # a codec's per-replica residuals: one per replica
+            sharded = rep.per_replica(ctx, own, in_specs=(SHARDED, SAME, SAME, SAME, BATCH, SAME, comm),
+                                      out_specs=(SHARDED, SAME, metrics_spec, comm))
             replica, (params, opt_state, model_state), metrics, comm_state = sharded(
                 state.strategy_state, state.params, state.opt_state, state.model_state, batch, step_key(state),
                 state.comm_state)
@@ -214,24 +230,38 @@ class LocalSGD(StrategyBase):
 
         return step
 
-    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
+    @staticmethod
+    def _average(ctx, anchor_params, params, comm_state):
+        """Inside `per_replica`: (mean parameters, the mean outer gradient or None, comm_state). Uncompressed, the
+        parameters themselves are averaged (today's meeting, bit for bit); with a codec, each replica's outer gradient
+        `anchor - params` is, and the mean parameters are `anchor - that mean`."""
+        if _codec(ctx.communicator) is None:
+            mean_params, comm_state = rep.mean_params_like(ctx, params, comm_state)
+            return mean_params, None, comm_state
+        delta = jax.tree.map(jnp.subtract, anchor_params, params)
+        outer_grad, comm_state = rep.mean_params_like(ctx, delta, comm_state)
+        return jax.tree.map(jnp.subtract, anchor_params, outer_grad), outer_grad, comm_state
+
+    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params, outer_grad=None):
         return mean_params, anchor_opt_state
 
 
 class DiLoCo(LocalSGD):
     name = "diloco"
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "outer_lr": 0.7, "outer_momentum": 0.9}
+    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none", "outer_lr": 0.7, "outer_momentum": 0.9}
     kept_on_restore = ("opt_state",)  # the outer optimizer's state does not depend on the replica count
 
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "DiLoCo":
         outer = optax.sgd(options["outer_lr"], momentum=options["outer_momentum"], nesterov=True)
         return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options))
+                   **cls._common(options), compress=options.get("compress"))
 
     def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
-                 local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None):
-        super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers)
+                 local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None,
+                 compress: str | None = None):
+        super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers,
+                         compress=compress)
         if outer_optimizer is not None:
             check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)
         self.outer_tx = outer_optimizer or optax.sgd(self.OPTIONS["outer_lr"],
@@ -244,6 +274,12 @@ class DiLoCo(LocalSGD):
         abstract = jax.eval_shape(self.outer_tx.init, ctx.abstract_params)
         return optimizer_shardings(self.outer_tx, abstract, ctx.param_shardings, ctx.mesh)
 
-    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params):
-        pseudo_grad = jax.tree.map(jnp.subtract, anchor_params, mean_params)
+    def _outer_update(self, ctx, anchor_params, anchor_opt_state, mean_params, outer_grad=None):
+        # compressed: the decoded mean outer gradient itself (anchor - (anchor - g) would round g once more)
+        pseudo_grad = jax.tree.map(jnp.subtract, anchor_params, mean_params) if outer_grad is None else outer_grad
         return apply_gradients(self.outer_tx, anchor_params, anchor_opt_state, pseudo_grad)
+
+
+def _codec(communicator):
+    """The codec a (compressed) communicator wraps its exchange in, or None."""
+    return getattr(communicator, "codec", None)

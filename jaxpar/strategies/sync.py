@@ -18,9 +18,7 @@ clock, with `stragglers`, charges each step the slowest replica's time).
 from __future__ import annotations
 
 
-from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.compression import compressed, parse_codec
 from jaxpar.parallel.partitioning import communicator_specs, constrain, gathered_over
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
@@ -37,12 +35,7 @@ class Sync(StrategyBase):
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
         super().__init__(allreduce, torus_x, stragglers)
-        codec = parse_codec(compress)
-        if codec is not None:
-            if self.communicator is None:
-                raise OptionError("compress", compress, "needs an explicit {allreduce} (psum, ring, torus2d or ps) "
-                                                        "to wrap; the compiler's averaging cannot be compressed")
-            self.communicator = compressed(self.communicator, codec)
+        self._compress(compress)
         self.clock = Clock(self.stragglers, 0, lambda update: ("sync",))
 
     @property
