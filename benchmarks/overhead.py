@@ -1,13 +1,18 @@
 """jaxpar's train step against a hand-written `jax.jit` step with `NamedSharding`, same model, mesh and batch.
 
     python -m benchmarks.overhead --mesh 2x4 --rounds 5 --steps 20
+    python -m benchmarks.overhead --model mlp --mesh 2x4 --fit    # jaxpar through Trainer.fit's loop
 
 Runs alternate (trainer, hand-written, trainer, ...) in one process so machine noise hits both alike; prints the
 median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step). The trainer's step includes
-the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) unless --no-skip.
+the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) unless --no-skip. With --fit,
+jaxpar's rounds run through `Trainer.fit` (its loop, the readiness polls of `wait_ready`, metrics read to the host
+each step) against the hand-written step's plain loop (waits on the step before the last, as fit does).
 """
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 
@@ -25,6 +30,8 @@ def main():
     parser.add_argument("--no-skip", action="store_true",
                         help="Trainer(skip_nonfinite=False), the CLI's --on-nonfinite abort: flag a non-finite step "
                              "instead of skipping it (skip is the default)")
+    parser.add_argument("--fit", action="store_true",
+                        help="run jaxpar's rounds through Trainer.fit instead of a loop of trainer.step calls")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timed rounds, cProfile this many trainer steps and print the host time per "
                              "step of the functions that take the most")
@@ -83,8 +90,15 @@ def main():
         params, opt_state, rest, metrics = hand(params, opt_state, rest, hand_batch)
         return metrics
 
-    rates = common.alternating_rates({"jaxpar": trainer_step, "hand_jit": hand_jit_step}, args.rounds, args.steps)
+    def fit_steps(n):
+        nonlocal state
+        state = trainer.fit(state, itertools.repeat(trainer_batch), n)
+
+    runners = {"jaxpar": fit_steps if args.fit else functools.partial(common.run_steps, trainer_step),
+               "hand_jit": functools.partial(common.run_steps, hand_jit_step)}
+    rates = common.alternating_rates(runners, args.rounds, args.steps, runs=True)
     result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "skip_nonfinite": not args.no_skip,
+              "fit": args.fit,
               "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
               "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
     result["ratio"] = result["jaxpar_steps_per_sec"] / result["hand_jit_steps_per_sec"]
@@ -100,18 +114,18 @@ def main():
           f"{result['best_ratio']:.3f})")
     print(json.dumps(result))
     if args.profile:
-        profile(trainer_step, args.profile)
+        profile(runners["jaxpar"], args.profile)
 
 
-def profile(step, steps: int, top: int = 24):
-    """The host side of `steps` calls of `step` (run as the timed rounds run them): microseconds per step of the
+def profile(run, steps: int, top: int = 24):
+    """The host side of `run(steps)` (jaxpar's steps as the timed rounds run them): microseconds per step of the
     functions with the most own time (the jitted call's C++ dispatch counts as its caller's own time)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
-    common.run_steps(step, steps)
+    run(steps)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
