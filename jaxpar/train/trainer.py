@@ -118,6 +118,7 @@ class Trainer:
         self.hardware = parse_hardware(hardware)
         # a torus2d grid follows the profile's nodes unless its X is given (jaxpar.cost.topology)
         self.mesh, self.skip_nonfinite = mesh, skip_nonfinite
+        self._replicas = mesh_lib.replica_count(mesh)  # asked every step (the clock): a mesh never changes
         self.strategy = aligned(strategy or Sync(), mesh, self.hardware)
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
@@ -227,7 +228,7 @@ class Trainer:
 
     @property
     def num_replicas(self) -> int:
-        return mesh_lib.replica_count(self.mesh)
+        return self._replicas
 
     @property
     def batch_divisor(self) -> int:
