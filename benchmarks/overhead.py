@@ -32,6 +32,8 @@ def main():
                              "instead of skipping it (skip is the default)")
     parser.add_argument("--fit", action="store_true",
                         help="run jaxpar's rounds through Trainer.fit instead of a loop of trainer.step calls")
+    parser.add_argument("--hlo", action="store_true",
+                        help="compare the two compiled steps (collectives, entry ops, FLOPs, bytes, memory) and exit")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timed rounds, cProfile this many trainer steps and print the host time per "
                              "step of the functions that take the most")
@@ -78,6 +80,10 @@ def main():
                    donate_argnums=(0, 1, 2))
     hand_batch = jax.device_put(batch, b_sh)
 
+    if args.hlo:
+        compare_compiled({"jaxpar": trainer.compiled_step("sync", trainer_batch),
+                          "hand_jit": hand.lower(params, opt_state, rest, hand_batch).compile()}, mesh)
+        return
     state = trainer.init(0)
 
     def trainer_step():
@@ -115,6 +121,29 @@ def main():
     print(json.dumps(result))
     if args.profile:
         profile(runners["jaxpar"], args.profile)
+
+
+def compare_compiled(compiled: dict, mesh):
+    """What each compiled step does on a device: its collectives, the ops of its entry computation (a conditional's
+    branches are separate computations), XLA's FLOPs and bytes accessed, and its memory."""
+    import re
+    from collections import Counter
+
+    from jaxpar.cost.hlo import collective_ops
+
+    for name, step in compiled.items():
+        text = step.as_text()
+        entry = text[text.index("ENTRY"):]
+        ops = Counter(op for op in re.findall(r"= .*?\s([a-z][a-z0-9\-]*)\(", entry)
+                      if op not in ("parameter", "get-tuple-element", "constant", "bitcast"))
+        cost = step.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        memory = step.memory_analysis()
+        print(f"{name}: collectives {[(op.kind, op.axes, op.bytes) for op in collective_ops(step, mesh)]}")
+        print(f"  entry ops {dict(sorted(ops.items()))}; fusions in all computations {text.count(' fusion(')}")
+        print(f"  flops {cost.get('flops'):,.0f}, bytes accessed {cost.get('bytes accessed'):,.0f}; arguments "
+              f"{memory.argument_size_in_bytes:,}, outputs {memory.output_size_in_bytes:,}, temporaries "
+              f"{memory.temp_size_in_bytes:,} bytes")
 
 
 def profile(run, steps: int, top: int = 24):
