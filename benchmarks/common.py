@@ -64,17 +64,18 @@ def run_steps(step: Callable[[], dict], n: int) -> None:
     jax.block_until_ready(previous)
 
 
-def alternating_rates(steps: dict[str, Callable[[], dict]], rounds: int, per_round: int,
-                      warmup: int = 3) -> dict[str, list[float]]:
+def alternating_rates(steps: dict[str, Callable], rounds: int, per_round: int,
+                      warmup: int = 3, runs: bool = False) -> dict[str, list[float]]:
     """steps/s per round of each named step function (`run_steps`): `warmup` steps of each first (compilation),
     then `rounds` rounds of `per_round` steps that alternate the functions in order, so machine noise hits them
-    alike."""
+    alike. `runs`: the functions are `run(n)`, each running n steps and waiting for the last, instead of steps."""
+    run = (lambda f, n: f(n)) if runs else run_steps
     for step in steps.values():
-        run_steps(step, warmup)
+        run(step, warmup)
     rates: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             start = time.perf_counter()
-            run_steps(step, per_round)
+            run(step, per_round)
             rates[name].append(per_round / (time.perf_counter() - start))
     return rates

@@ -1,13 +1,18 @@
 """jaxpar's train step against a hand-written `jax.jit` step with `NamedSharding`, same model, mesh and batch.
 
     python -m benchmarks.overhead --mesh 2x4 --rounds 5 --steps 20
+    python -m benchmarks.overhead --model mlp --mesh 2x4 --fit    # jaxpar through Trainer.fit's loop
 
 Runs alternate (trainer, hand-written, trainer, ...) in one process so machine noise hits both alike; prints the
 median steps/s of each and their ratio (>= 0.95 means jaxpar adds at most 5% per step). The trainer's step includes
-the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) unless --no-skip.
+the non-finite-step guard (`skip_nonfinite`, which the hand-written step lacks) unless --no-skip. With --fit,
+jaxpar's rounds run through `Trainer.fit` (its loop, the readiness polls of `wait_ready`, metrics read to the host
+each step) against the hand-written step's plain loop (waits on the step before the last, as fit does).
 """
 
 import argparse
+import functools
+import itertools
 import json
 import statistics
 
@@ -25,6 +30,10 @@ def main():
     parser.add_argument("--no-skip", action="store_true",
                         help="Trainer(skip_nonfinite=False), the CLI's --on-nonfinite abort: flag a non-finite step "
                              "instead of skipping it (skip is the default)")
+    parser.add_argument("--fit", action="store_true",
+                        help="run jaxpar's rounds through Trainer.fit instead of a loop of trainer.step calls")
+    parser.add_argument("--hlo", action="store_true",
+                        help="compare the two compiled steps (collectives, entry ops, FLOPs, bytes, memory) and exit")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after the timed rounds, cProfile this many trainer steps and print the host time per "
                              "step of the functions that take the most")
@@ -71,6 +80,10 @@ def main():
                    donate_argnums=(0, 1, 2))
     hand_batch = jax.device_put(batch, b_sh)
 
+    if args.hlo:
+        compare_compiled({"jaxpar": trainer.compiled_step("sync", trainer_batch),
+                          "hand_jit": hand.lower(params, opt_state, rest, hand_batch).compile()}, mesh)
+        return
     state = trainer.init(0)
 
     def trainer_step():
@@ -83,8 +96,15 @@ def main():
         params, opt_state, rest, metrics = hand(params, opt_state, rest, hand_batch)
         return metrics
 
-    rates = common.alternating_rates({"jaxpar": trainer_step, "hand_jit": hand_jit_step}, args.rounds, args.steps)
+    def fit_steps(n):
+        nonlocal state
+        state = trainer.fit(state, itertools.repeat(trainer_batch), n)
+
+    runners = {"jaxpar": fit_steps if args.fit else functools.partial(common.run_steps, trainer_step),
+               "hand_jit": functools.partial(common.run_steps, hand_jit_step)}
+    rates = common.alternating_rates(runners, args.rounds, args.steps, runs=True)
     result = {"mesh": args.mesh, "model": args.model, "batch_size": args.batch_size, "skip_nonfinite": not args.no_skip,
+              "fit": args.fit,
               "jaxpar_steps_per_sec": statistics.median(rates["jaxpar"]),
               "hand_jit_steps_per_sec": statistics.median(rates["hand_jit"])}
     result["ratio"] = result["jaxpar_steps_per_sec"] / result["hand_jit_steps_per_sec"]
@@ -100,18 +120,41 @@ def main():
           f"{result['best_ratio']:.3f})")
     print(json.dumps(result))
     if args.profile:
-        profile(trainer_step, args.profile)
+        profile(runners["jaxpar"], args.profile)
 
 
-def profile(step, steps: int, top: int = 24):
-    """The host side of `steps` calls of `step` (run as the timed rounds run them): microseconds per step of the
+def compare_compiled(compiled: dict, mesh):
+    """What each compiled step does on a device: its collectives, the ops of its entry computation (a conditional's
+    branches are separate computations), XLA's FLOPs and bytes accessed, and its memory."""
+    import re
+    from collections import Counter
+
+    from jaxpar.cost.hlo import collective_ops
+
+    for name, step in compiled.items():
+        text = step.as_text()
+        entry = text[text.index("ENTRY"):]
+        ops = Counter(op for op in re.findall(r"= .*?\s([a-z][a-z0-9\-]*)\(", entry)
+                      if op not in ("parameter", "get-tuple-element", "constant", "bitcast"))
+        cost = step.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        memory = step.memory_analysis()
+        print(f"{name}: collectives {[(op.kind, op.axes, op.bytes) for op in collective_ops(step, mesh)]}")
+        print(f"  entry ops {dict(sorted(ops.items()))}; fusions in all computations {text.count(' fusion(')}")
+        print(f"  flops {cost.get('flops'):,.0f}, bytes accessed {cost.get('bytes accessed'):,.0f}; arguments "
+              f"{memory.argument_size_in_bytes:,}, outputs {memory.output_size_in_bytes:,}, temporaries "
+              f"{memory.temp_size_in_bytes:,} bytes")
+
+
+def profile(run, steps: int, top: int = 24):
+    """The host side of `run(steps)` (jaxpar's steps as the timed rounds run them): microseconds per step of the
     functions with the most own time (the jitted call's C++ dispatch counts as its caller's own time)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
-    common.run_steps(step, steps)
+    run(steps)
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]

@@ -5,6 +5,7 @@ the process that saw it can only end with os._exit (as run.py does).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -146,3 +147,21 @@ def test_the_cli_ends_a_device_failure_in_one_line_with_a_complete_jsonl(tmp_pat
         "checkpoint or a fresh state)"), result.stderr[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["stopped"] == err[0].removeprefix("run.py: error: ")
+
+
+def test_readiness_polls_never_sleep_far_past_a_ready_step():
+    """`wait_ready`'s polls, simulated: a step ready after `ready_at` seconds is seen within 5% of the wait (or one
+    shortest sleep), and a long step is polled a bounded number of times (the old fixed 2 ms cap slept up to 2 ms past
+    a 1 ms step)."""
+    from jaxpar.runtime.resources import SHORTEST_POLL, next_poll
+
+    for ready_at in (1e-4, 1e-3, 1.5e-3, 1e-2, 1.0, 30.0):
+        waited, delay, polls = 0.0, SHORTEST_POLL, 0
+        while waited < ready_at:
+            waited += delay
+            delay = next_poll(delay, waited)
+            polls += 1
+        assert waited - ready_at <= max(SHORTEST_POLL, 0.05 * ready_at) + 1e-12, (ready_at, waited)
+        # shortest sleeps for the first millisecond, then each sleep 5% of the wait: geometric
+        assert polls <= 21 + math.log(max(ready_at, 1e-3) / 1e-3, 1.05), (ready_at, polls)
+    assert next_poll(2e-3, 1e-3) == SHORTEST_POLL  # the old policy slept 2 ms here

@@ -227,3 +227,29 @@ def test_fast_enough_for_long_runs():
     start = time.perf_counter()
     updates = simulate_ps(parse_stragglers("3:2.0,5:1.7,jitter=0.3"), 8, 2, 20_000)
     assert len(updates) == 20_000 and time.perf_counter() - start < 2.0
+
+
+CLOCKED = {"sync": lambda **kw: jaxpar.Sync(**kw), "ring": lambda **kw: jaxpar.Sync("ring", **kw),
+           "local-4": lambda **kw: jaxpar.LocalSGD(period=4, **kw),
+           "post-local-3-after-5": lambda **kw: jaxpar.LocalSGD(period=3, local_after=5, **kw),
+           "diloco-2": lambda **kw: jaxpar.DiLoCo(period=2, **kw)}
+
+
+@pytest.mark.parametrize("name", list(CLOCKED))
+@pytest.mark.parametrize("replicas", [1, 2, 8])
+def test_a_clock_without_stragglers_counts_steps_as_the_simulator_does(name, replicas, monkeypatch):
+    """The clock's shortcut for unit cost and no straggler (sim_time = step number + 1, no simulation per step) is
+    the simulator's own answer; a straggler still goes through the simulator."""
+    for stragglers in (None, "0:2.0"):
+        clock = CLOCKED[name](stragglers=stragglers).clock
+        stream = simulator.simulate(clock.stragglers, replicas, clock.bound, clock.rounds)
+        expected = [next(stream).sim_time for _ in range(40)]
+        assert [clock.time_after(replicas, n) for n in range(40)] == expected
+        if stragglers is None:
+            assert expected == [float(n + 1) for n in range(40)]
+            fresh = CLOCKED[name]().clock  # the shortcut runs no simulation (the host's cost per trainer.step)
+            monkeypatch.setattr("jaxpar.strategies.common.simulate", lambda *a, **k: pytest.fail("simulated"))
+            assert [fresh.time_after(replicas, n) for n in range(40)] == expected
+            monkeypatch.undo()
+        else:  # replica 0 at half speed: the clock runs slower than the step count
+            assert expected[-1] > 40.0

@@ -393,3 +393,48 @@ def test_every_strategy_returns_the_same_metric_keys_as_scalars(strategy):
             assert float(metrics["loss"]) == pytest.approx(float(np.mean(metrics["loss_per_replica"])), rel=1e-6)
         else:
             assert not per_replica
+
+
+@pytest.mark.parametrize("strategy,mesh", [(jaxpar.LocalSGD(period=2), "8"), (jaxpar.DiLoCo(period=3), "4x2"),
+                                           (jaxpar.LocalSGD(period=2), "2x4")], ids=["localsgd-8", "diloco-4", "localsgd-2"])
+def test_local_steps_average_per_replica_metrics_on_the_device_as_numpy_does(strategy, mesh, monkeypatch):
+    """`trainer.step` under local SGD / DiLoCo reads nothing back (the host runs ahead; it used to read the [R]
+    metrics every step) and its means are bit-identical to the host's numpy mean that `fit` reports."""
+    from jaxpar.train.loop import replica_means
+
+    trainer = trainer_for("mlp", mesh, strategy=strategy, dropout=0.1)
+    state = trainer.init(0)
+    seen = []
+    on_device = trainer._replica_means
+    trainer._replica_means = lambda metrics: seen.append(metrics) or on_device(metrics)
+    for step in range(4):  # local steps and meetings
+        batch = trainer.shard_batch(batch_for("mlp", size=32, seed=step))
+        with monkeypatch.context() as patched:
+            patched.setattr(jax, "device_get", lambda *a: pytest.fail("trainer.step read metrics back"))
+            state, means = trainer.step(state, batch, step)
+        host = replica_means(seen[-1])  # what `step` returned before, and what `fit` reports
+        assert set(means) == set(host)
+        for key in ("loss", "accuracy"):
+            assert isinstance(means[key], jax.Array) and means[key].shape == ()
+            assert np.asarray(means[key]).tobytes() == host[key].tobytes(), (step, key, means[key], host[key])
+            np.testing.assert_array_equal(np.asarray(means[key + "_per_replica"]), host[key + "_per_replica"])
+            assert host[key + "_per_replica"].shape == (trainer.num_replicas,)
+    assert len(seen) == 4 and len({float(m["loss"][0]) for m in seen}) == 4
+
+
+@pytest.mark.parametrize("replicas", [2, 4, 8])
+def test_the_device_mean_of_replica_values_is_numpys_bit_for_bit(replicas):
+    """Values over 8 orders of magnitude, both signs: the device's ((x0 + x1) + ...) / R is numpy's mean."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxpar.train.replica_metrics import ReplicaMeans
+
+    mesh = jaxpar.make_mesh(f"data={replicas},model={8 // replicas}")
+    means = ReplicaMeans(mesh)
+    rng = np.random.default_rng(replicas)
+    for trial in range(20):
+        values = (rng.standard_normal(replicas) * 10.0 ** rng.integers(-4, 5, replicas)).astype(np.float32)
+        placed = jax.device_put(values, NamedSharding(mesh, P("data")))
+        out = means({"loss": placed, "examples": 32.0})
+        assert np.asarray(out["loss"]).tobytes() == np.asarray(np.mean(values, axis=0)).tobytes(), values
+        assert out["examples"] == 32.0 and out["loss_per_replica"] is placed

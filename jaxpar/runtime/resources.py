@@ -100,19 +100,32 @@ def device_error(error: Exception, step: int) -> DeviceError:
                        f"(restart from a checkpoint{' with --resume' if lost else ''} or a fresh state)", step)
 
 
+SHORTEST_POLL = 5e-5  # seconds: about the shortest sleep Linux gives (its default timer slack is 50 us)
+POLL_FRACTION = 0.05  # a poll sleeps at most this fraction of the wait so far
+
+
+def next_poll(delay: float, waited: float) -> float:
+    """The sleep before `wait_ready`'s next poll, after one of `delay` seconds and `waited` seconds in all: doubling,
+    but never more than `POLL_FRACTION` of the wait so far, so a wait returns within 5% (plus one shortest sleep)
+    of the moment its step is ready: 1 ms steps are not held up by a poll (the earlier doubling to a fixed 2 ms cap
+    could sleep past a whole step), and a long step is still polled rarely."""
+    return max(SHORTEST_POLL, min(2 * delay, POLL_FRACTION * waited))
+
+
 def wait_ready(tree, step: int) -> None:
     """Returns once every array in `tree` is computed; raises `DeviceError` as soon as one device's part failed.
 
     Waiting on a whole array (or on device 0's part) would never return when another device failed mid-step: the
-    devices still healthy stay blocked in the step's next collective. So each device's part is polled, and the
-    first one that is ready with an error is reported.
+    devices still healthy stay blocked in the step's next collective. So each device's part is polled (`next_poll`),
+    and the first one that is ready with an error is reported.
     """
     arrays = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
     if not arrays or arrays[0].is_ready():
         parts = arrays  # the usual case: read at once (an error, if any, raises below)
     else:  # one output's parts: a step's outputs on a device are ready together
         parts = [shard.data for shard in arrays[0].addressable_shards]
-    delay = 5e-5
+    started = time.perf_counter()
+    delay = SHORTEST_POLL
     while True:
         pending = []
         for part in parts:
@@ -127,7 +140,7 @@ def wait_ready(tree, step: int) -> None:
             return
         parts = pending
         time.sleep(delay)
-        delay = min(2 * delay, 2e-3)
+        delay = next_poll(delay, time.perf_counter() - started)
 
 
 def step_flops(compiled) -> float | None:

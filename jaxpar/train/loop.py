@@ -104,13 +104,13 @@ def _steps(trainer, state, batches, steps, actions):
     def run(pending, event_state, current_state, current_step):
         step, metrics, per_replica = pending
         wait_ready(metrics, step - 1)  # until that step is done; a step that failed on any device raises here
-        host = host_metrics(metrics, per_replica)
         is_last = step == last
-        for action in actions:
-            if not action.due(step, is_last):
-                continue
-            if action.needs_state and event_state is None:
-                continue  # only reached when the state of `step` is already donated: not due with a state
+        # an action that needs the state is only reached here without one when that state is already donated
+        due = [a for a in actions if a.due(step, is_last) and not (a.needs_state and event_state is None)]
+        if not due:
+            return  # nobody reads this step's metrics: none is copied to the host (tens of us per metric)
+        host = host_metrics(metrics, per_replica)
+        for action in due:
             try:
                 action(StepEvent(step, host, event_state if action.needs_state else None, trainer, is_last))
             except (KeyboardInterrupt, FitError):

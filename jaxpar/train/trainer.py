@@ -50,6 +50,7 @@ from jaxpar.train.batches import BatchPlacer, indivisible_accum
 from jaxpar.train.linen import factory_notes
 from jaxpar.train.model_errors import at_step
 from jaxpar.train.remat import policy_of
+from jaxpar.train.replica_metrics import ReplicaMeans
 from jaxpar.train.setup import check_arguments, check_pipeline, state_plan
 from jaxpar.train.step import LossFn, TrainState, evaluate_batch, guarded_step, split_model, step_key, with_rngs
 
@@ -118,6 +119,7 @@ class Trainer:
         self.hardware = parse_hardware(hardware)
         # a torus2d grid follows the profile's nodes unless its X is given (jaxpar.cost.topology)
         self.mesh, self.skip_nonfinite = mesh, skip_nonfinite
+        self._replicas = mesh_lib.replica_count(mesh)  # asked every step (the clock): a mesh never changes
         self.strategy = aligned(strategy or Sync(), mesh, self.hardware)
         self.rules = shd.DEFAULT_RULES if rules is None else rules
         self._factory, self._tx, self.grad_accum = model, optimizer, grad_accum
@@ -149,6 +151,7 @@ class Trainer:
         # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
         # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
         self._steps = {name: self._jit_step(variant, self.remat) for name, variant in self.variants.items()}
+        self._replica_means = ReplicaMeans(mesh)  # `step`'s means of such metrics, on the device
         self._other_remat: dict = {}  # (variant, policy) -> the step jitted under another remat policy (explain's advice)
         self._eval = mesh_lib.in_mesh(jax.jit(self._scoped(self._eval_step), in_shardings=(
             self.state_shardings, self.batch_sharding), out_shardings=shd.replicated(mesh)), mesh)
@@ -226,7 +229,7 @@ class Trainer:
 
     @property
     def num_replicas(self) -> int:
-        return mesh_lib.replica_count(self.mesh)
+        return self._replicas
 
     @property
     def batch_divisor(self) -> int:
@@ -291,8 +294,8 @@ class Trainer:
         Metrics have the same keys and shapes under every strategy: `loss` and the loss function's metrics as
         scalars (0-d arrays). A step whose replicas sent each other nothing (local SGD / DiLoCo's local and
         meeting steps, in one process) keeps one value per replica on the devices; `step` then returns their mean,
-        read to the host (0-d numpy arrays), and each per-replica array under `<name>_per_replica` ([R]). Other
-        steps' metrics stay on device until read.
+        computed on the device without reading anything back (`jaxpar.train.replica_metrics`; the numbers `fit`
+        reports), and each per-replica array under `<name>_per_replica` ([R]). Metrics stay on device until read.
 
         `step_number` (the number of updates already applied) lets the strategy plan the step without reading
         `state.step` back from the device; `fit` passes it. Host metrics added: the strategy's (e.g. `sim_time`),
@@ -301,7 +304,7 @@ class Trainer:
         backend gives one).
         """
         state, metrics, per_replica = self.dispatch(state, batch, step_number)
-        return state, (loop.replica_means(metrics) if per_replica else metrics)
+        return state, (self._replica_means(metrics) if per_replica else metrics)
 
     def dispatch(self, state: TrainState, batch, step_number: int | None = None) -> tuple[TrainState, dict, bool]:
         """`step` without reading anything back: (state, metrics as the step left them, whether they are per
