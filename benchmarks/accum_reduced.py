@@ -14,8 +14,8 @@ summed once after the scan. The programs below show where that stops in this JAX
 2. the same layer with a bias (`x @ w + b`, what `nnx.Linear` does): `ShardingTypeError`, an elementwise op between a
    data-split activation and a `reduced` bias is refused;
 3. jaxpar's mesh (data, stage, fsdp, model, Auto) with only data made Explicit (`jax.sharding.explicit_axes`):
-   an `AssertionError` in `jax._src.core.getr` ("Revise this after partial manual reduced is supported"): `reduced`
-   exists only when every mesh axis is Explicit;
+   an `AssertionError` in `jax._src.core.getu` / `getr` ("Revise this after partial manual unreduced [reduced] is
+   supported"): `unreduced` / `reduced` exist only when every mesh axis is Explicit (or every one Manual);
 4. a convolution on `reduced` weights: `NotImplementedError` (no unreduced/reduced rule for conv_general_dilated).
 
 The other ways keep the model's math only when the loss is a plain mean over independent examples: a per-replica
@@ -135,6 +135,9 @@ def trainer_steps():
 
 def main():
     jaxpar.make_mesh("8")  # before anything touches JAX: provides the 8 CPU devices
+    import jax
+
+    jax.config.update("jax_traceback_filtering", "off")  # an assertion inside JAX is named by its own frame
     minimal()
     partly_explicit()
     trainer_steps()
