@@ -362,6 +362,40 @@ def within_replica_specs(shardings):
     return jax.tree.map(lambda s: _drop_axes(s.spec, lambda a: a in inside), shardings, is_leaf=_is_sharding)
 
 
+def per_fsdp_device(mesh) -> P:
+    """Inside a shard_map manual over fsdp: a stack with one entry per fsdp device (a leading dimension over fsdp),
+    e.g. each device's own unreduced gradient before the hand-written reduce-scatter."""
+    return P(mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS))
+
+
+def fsdp_split(sharding):
+    """(dimension, the mesh axes that dimension is split over, in order) of the dimension a parameter's sharding
+    splits over fsdp, or None when the parameter is whole over fsdp."""
+    fsdp = mesh_lib.axis_name(sharding.mesh, mesh_lib.FSDP_AXIS)
+    for dim, entry in enumerate(sharding.spec):
+        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        if fsdp in names:
+            return dim, names
+    return None
+
+
+def fsdp_reduce_specs(shardings):
+    """(in_specs, out_specs) of the reduce-scatter over fsdp, a shard_map manual over every within-replica axis:
+    in, each device's unreduced gradient stacked over fsdp (`per_fsdp_device`), split over the other axes like the
+    parameter except on the dimension that is split over fsdp (kept whole: the device picks its block of it);
+    out, the parameter's own shard (`within_replica_specs`)."""
+    inside = set(mesh_lib.WITHIN_REPLICA_AXES)
+
+    def unreduced(s):
+        fsdp = mesh_lib.axis_name(s.mesh, mesh_lib.FSDP_AXIS)
+        split = fsdp_split(s)
+        kept = _drop_axes(s.spec, lambda a: a in inside and a != fsdp)
+        entries = [None if split is not None and d == split[0] else e for d, e in enumerate(kept)]
+        return P(fsdp, *entries)
+
+    return (jax.tree.map(unreduced, shardings, is_leaf=_is_sharding), within_replica_specs(shardings))
+
+
 def stacked(shardings, over_replicas: bool = True):
     """The shardings of a stack of copies along a new leading dimension: over the replica axis (per-replica
     copies), or unsplit (a buffer of versions); the other dimensions as before."""

@@ -20,6 +20,7 @@ from flax import nnx
 from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import fsdp_reduce
 from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel.collectives import allreduce_in_one_buffer
 from jaxpar.runtime.distributed import one_buffer_gradients
@@ -228,30 +229,48 @@ def _replica_loss_and_grad(ctx, params, model_state, batch, key):
         return loss_and_grad(ctx.graphdef, ctx.loss_fn, params, model_state, _within_replica_batch(ctx, batch), key,
                              ctx.grad_accum)
     fsdp = mesh_lib.axis_name(ctx.mesh, mesh_lib.FSDP_AXIS)
+    by_hand = _fsdp_codec(ctx) is not None  # the gradient leaves unreduced and is reduce-scattered by fsdp_reduce
 
     def own_rows(params, model_state, batch, key):
         index = lax.axis_index(fsdp)
         loss, metrics, new_state, grads = loss_and_grad(ctx.graphdef, ctx.loss_fn, params,
                                                         fold_rng_keys(model_state, index), batch,
                                                         jax.random.fold_in(key, index), ctx.grad_accum)
-        loss, metrics, grads = lax.pmean((loss, metrics, grads), fsdp)
+        if by_hand:
+            loss, metrics = lax.pmean((loss, metrics), fsdp)
+            grads = jax.tree.map(lambda g: g[None], grads)
+        else:
+            loss, metrics, grads = lax.pmean((loss, metrics, grads), fsdp)
         return loss, metrics, unfold_rng_keys(new_state, model_state), grads
 
     same, rows = shd.REPLICATED, shd.fsdp_rows(ctx.mesh)
+    grads_out = shd.per_fsdp_device(ctx.mesh) if by_hand else same
     # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
-    return jax.shard_map(own_rows, in_specs=(same, same, rows, same), out_specs=same, axis_names={fsdp},
-                         check_vma=False)(params, model_state, batch, key)
+    loss, metrics, new_state, grads = jax.shard_map(
+        own_rows, in_specs=(same, same, rows, same), out_specs=(same, same, same, grads_out), axis_names={fsdp},
+        check_vma=False)(params, model_state, batch, key)
+    if by_hand:
+        grads = fsdp_reduce.reduce_scatter(grads, ctx.param_shardings, ctx.mesh, _fsdp_codec(ctx))
+    return loss, metrics, new_state, grads
+
+
+def _fsdp_codec(ctx):
+    """The codec of the gradient's fsdp leg (`jaxpar.parallel.fsdp_reduce`): the communicator's, if it compresses
+    (None: the fsdp mean is the pmean of today)."""
+    return getattr(ctx.communicator, "codec", None)
 
 
 def _rows_split_by_hand(ctx, model_state, batch) -> bool:
-    """fsdp and model both larger than 1, no pipeline, each device's rows divisible into `grad_accum`
+    """fsdp larger than 1 and either model larger than 1 or a codec (its fsdp leg needs the unreduced gradient), no
+    pipeline, each device's rows divisible into `grad_accum`
     microbatches, and a model whose only state is its RNG state: a variable the model updates from its batch
     (BatchNorm statistics, a user's EMA) must see the replica's whole slice."""
     mesh = ctx.mesh
     fsdp = mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)
     only_rng_state = all(isinstance(v, nnx.RngState) for v in jax.tree.leaves(model_state, is_leaf=shd.is_variable))
     rows = {x.shape[0] for x in jax.tree.leaves(batch)}
-    return (fsdp > 1 and mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1 and mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) == 1
+    by_hand = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1 or _fsdp_codec(ctx) is not None
+    return (fsdp > 1 and by_hand and mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) == 1
             and only_rng_state and all(r % (fsdp * ctx.grad_accum) == 0 for r in rows))
 
 
