@@ -1,6 +1,7 @@
 """Why the default `Sync()`'s gradient reduction over fsdp cannot be compressed, and what can: the minimal program.
 
-    python -m benchmarks.fsdp_hook
+    python -m benchmarks.fsdp_hook                    # the minimal program
+    python -m benchmarks.fsdp_hook --trainer          # jaxpar's steps: bytes over fsdp per codec (MLP, transformer)
 
 One linear layer `y = x @ W` on `fsdp=8`: W [64, 32] stored split over fsdp along its rows (ZeRO-3), the batch
 split over fsdp, loss `mean(y ** 2)`, the parameters all-gathered before use as `Sync()` does
@@ -97,17 +98,76 @@ def jaxpr_collectives(jaxpr_text: str) -> list[str]:
     return sorted({p for p in COLLECTIVE_PRIMITIVES if re.search(rf"\b{p}\[", jaxpr_text)})
 
 
+WRITTEN = ("psum", "pmax", "all_to_all", "all_gather", "psum_scatter", "reduce_scatter")
+
+
+def written_by_jaxpar(op) -> bool:
+    """A collective jaxpar's code calls (its op_name ends with the primitive; a combined op names each part), not
+    one the partitioner inserted (ZeRO-3's parameter all-gathers carry no primitive name)."""
+    import re
+
+    return bool(re.search(r"[/:(](" + "|".join(WRITTEN) + r")(?=$|[):])", op.op_name))
+
+
+def trainer_rows(model: str, meshes, codecs):
+    """Per mesh and codec: bytes the busiest device sends over exactly fsdp per step (compiled HLO): the gradient's
+    reduction (every fsdp collective but the partitioner's parameter all-gathers), its codec's count, and the
+    parameter all-gathers."""
+    import optax
+
+    from benchmarks import common
+    from jaxpar.cost.hlo import bytes_sent, collective_ops
+    from jaxpar.parallel import compression, fsdp_reduce
+    from jaxpar.parallel.mesh import FSDP_AXIS
+
+    parts = (common.setup("mlp", hidden=128, dropout=0.0, batch_size=64) if model == "mlp" else
+             common.setup("transformer", dropout=0.0, batch_size=32))
+    rows = []
+    for spec in meshes:
+        mesh = jaxpar.make_mesh(spec)
+        for codec in codecs:
+            trainer = common.trainer(parts, mesh, optax.adam(1e-3), strategy=jaxpar.Sync("psum", compress=codec))
+            trainer.init(0)
+            ops = [op for op in collective_ops(trainer.compiled_step("sync", parts.batch), mesh)
+                   if op.axes == (FSDP_AXIS,)]
+            gathers = sum(bytes_sent(op) for op in ops if op.kind == "all-gather" and not written_by_jaxpar(op))
+            gradient = sum(bytes_sent(op) for op in ops) - gathers
+            stated = (fsdp_reduce.step_wire_bytes(compression.parse_codec(codec), trainer.state_shardings.params,
+                                                  trainer.abstract_state().params) if codec != "none" else None)
+            rows.append(dict(model=model, mesh=spec, codec=codec, gradient=gradient, stated=stated,
+                             gathers=gathers))
+    return rows
+
+
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainer", action="store_true", help="jaxpar's steps instead of the minimal program")
+    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--meshes", default="data=2,fsdp=2,model=2;data=2,fsdp=4")
+    args = parser.parse_args()
     mesh = jaxpar.make_mesh("fsdp=8")
+    if args.trainer:
+        codecs = ("none", "bf16", "fp16", "int8", "powersgd:4")
+        print("| model | mesh | codec | gradient over fsdp (HLO) | codec's count | HLO / count | / uncompressed | "
+              "/ float32 reduce-scatter | parameter all-gathers |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for model in args.models.split(","):
+            rows = trainer_rows(model, args.meshes.split(";"), codecs)
+            for r in rows:
+                base = next(b for b in rows if b["mesh"] == r["mesh"] and b["codec"] == "none")["gradient"]
+                f32 = next(b for b in rows if b["mesh"] == r["mesh"] and b["codec"] == "powersgd:4")["stated"]
+                match = f"{r['gradient'] / r['stated']:.3f}" if r["stated"] else "-"
+                stated = f"{r['stated']:.0f}" if r["stated"] else "-"
+                print(f"| {model} | {r['mesh']} | {r['codec']} | {r['gradient']:.0f} | {stated} | {match} | "
+                      f"{r['gradient'] / base:.3f} | {r['gradient'] / f32:.3f} | {r['gathers']:.0f} |", flush=True)
+        return
     for name, (jaxpr, compiled) in programs(mesh).items():
         print(f"{name}: collectives in the jaxpr {jaxpr_collectives(jaxpr) or 'none'}")
         for (kind, widths, sent), count in sorted(fsdp_collectives(compiled, mesh).items()):
             print(f"  over fsdp: {count} x {kind} of {'/'.join(map(str, widths))}-byte elements, {sent:.0f} bytes "
                   "sent per device")
-
-
-def summarize(rows) -> list[str]:
-    return []
 
 
 if __name__ == "__main__":

@@ -87,8 +87,7 @@ def _whole_mean(wire, codec, leaves, fsdp):
         return []
     if wire == FLOAT32:
         return lax.pmean(leaves, fsdp)
-    residual = [jnp.zeros(x.shape, jnp.float32) for x in leaves] if wire == "int8" else []
-    means, _, _ = codec.mean(leaves, residual, (), _Exchange(fsdp, "psum", None), lax.axis_size(fsdp), fsdp)
+    means, _, _ = codec.mean(leaves, [], (), _Exchange(fsdp, "psum", None), lax.axis_size(fsdp), fsdp)  # no residual
     return means
 
 

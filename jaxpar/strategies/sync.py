@@ -9,7 +9,8 @@
   Each replica draws its own dropout masks (its index folded into the key) and BatchNorm uses its own slice's
   statistics, with running averages averaged so replicas stay identical.
 - `Sync(allreduce=..., compress="bf16" | "fp16" | "int8" | "powersgd:R")`: that exchange wrapped by a codec
-  (`jaxpar.parallel.compression`; docs/compression.md), its state (error-feedback residuals) in `comm_state`.
+  (`jaxpar.parallel.compression`; docs/compression.md), its state (error-feedback residuals) in `comm_state`;
+  with fsdp > 1 the same codec compresses the gradient's reduce-scatter over fsdp (`jaxpar.parallel.fsdp_reduce`).
 
 Every replica holds identical parameters after every step; a slow replica holds everyone back (the simulated
 clock, with `stragglers`, charges each step the slowest replica's time).
