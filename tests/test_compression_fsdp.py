@@ -197,3 +197,28 @@ def test_the_partitioners_reduction_has_no_hook_and_shard_map_has_one():
     manual = fsdp_hook.fsdp_collectives(found["shard_map, int8"][1], mesh)
     assert manual[("all-to-all", (1,), 7 * 64 * 32 / 8)] == 1  # int8 codes: 1 byte per element, (F-1)/F of them
     assert not any(kind == "all-reduce" for kind, _, _ in manual)
+
+
+def test_a_nan_row_on_one_fsdp_device_skips_the_step_and_keeps_the_residuals():
+    trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.Sync("psum", compress="int8"))
+    state, _ = trainer.step(trainer.init(0), batch_for("mlp", 16))
+    before = [np.asarray(r) for r in jax.tree.leaves(state.comm_state[cz.OWN])]
+    params = [np.asarray(p) for p in jax.tree.leaves(state.params)]
+    batch = batch_for("mlp", 16, seed=1)
+    batch["image"][2] = np.nan  # replica 0, fsdp device 1's rows: a non-finite partial gradient on the fsdp leg
+    state, metrics = trainer.step(state, batch)
+    assert float(metrics["skipped"]) == 1.0
+    for old, new in zip(before, jax.tree.leaves(state.comm_state[cz.OWN])):
+        np.testing.assert_array_equal(np.asarray(new), old)
+    for old, new in zip(params, jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(new), old)
+
+
+def test_gradient_accumulation_with_a_compressed_fsdp_leg_matches_one_big_batch():
+    _, one, a = params_after(jaxpar.Sync("psum", compress="int8"), "data=2,fsdp=4")
+    trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.Sync("psum", compress="int8"), grad_accum=2)
+    state, b = trainer.init(0), []
+    for _ in range(3):
+        state, metrics = trainer.step(state, batch_for("mlp", 16))
+        b.append(float(metrics["loss"]))
+    np.testing.assert_allclose(b, a, rtol=1e-5)  # the microbatches' mean gradient is quantized once, as one batch's
