@@ -3,8 +3,6 @@ hand, the uncompressed leg against today's step, compressed training on data x f
 the fsdp bytes of the compiled step against the codec's count, and the minimal program showing that the default
 Sync()'s reduction cannot be compressed (benchmarks/fsdp_hook.py)."""
 
-import re
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from benchmarks import fsdp_hook
 from jaxpar.cost.hlo import bytes_sent, collective_ops
 from jaxpar.parallel import compression as cz
 from jaxpar.parallel import fsdp_reduce
-from jaxpar.parallel.collectives import Communicator, communicator
+from jaxpar.parallel.collectives import communicator
 from jaxpar.parallel.mesh import FSDP_AXIS, REPLICA_AXIS, TENSOR_AXIS
 from jaxpar.train.faults import ReplicaCheck
 from tests.helpers import batch_for, trainer_for
@@ -161,16 +159,12 @@ def test_compressed_fsdp_training_keeps_replicas_identical_and_tracks_uncompress
         ReplicaCheck(trainer.state_shardings.params, trainer.mesh).check(state.params, 6)
 
 
-HAND = ("psum", "pmax", "all_to_all", "all_gather", "psum_scatter", "reduce_scatter")
-
-
 def fsdp_gradient_bytes(trainer):
     """Bytes the busiest device sends over exactly fsdp in collectives jaxpar writes (the partitioner's ZeRO-3
     parameter all-gathers carry no primitive name): the gradient's leg and the 8-byte loss / accuracy mean (under
     PowerSGD also its Q's partial sums over fsdp, which XLA combines into the same all-reduce)."""
     ops = collective_ops(trainer.compiled_step("sync", batch_for("mlp", 16)), trainer.mesh)
-    written = re.compile(r"[/:(](" + "|".join(HAND) + r")(?=$|[):])")  # a combined op names each part
-    return sum(bytes_sent(op) for op in ops if op.axes == (FSDP_AXIS,) and written.search(op.op_name))
+    return sum(bytes_sent(op) for op in ops if op.axes == (FSDP_AXIS,) and fsdp_hook.written_by_jaxpar(op))
 
 
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,model=2", "data=2,fsdp=4"])
@@ -222,3 +216,18 @@ def test_gradient_accumulation_with_a_compressed_fsdp_leg_matches_one_big_batch(
         state, metrics = trainer.step(state, batch_for("mlp", 16))
         b.append(float(metrics["loss"]))
     np.testing.assert_allclose(b, a, rtol=1e-5)  # the microbatches' mean gradient is quantized once, as one batch's
+
+
+def test_explain_counts_the_compressed_fsdp_leg_and_does_not_flag_its_all_to_all():
+    trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.Sync("psum", compress="int8"))
+    trainer.init(0)
+    sync = jaxpar.explain(trainer, batch_for("mlp", 16))["variants"]["sync"]
+    fsdp = [c for c in sync["communication"] if c["axes"] == FSDP_AXIS]
+    assert [c["unexpected"] for c in fsdp if c["kind"] == "all-to-all"] == [0]
+    # explain's "sent by the busiest device ... over fsdp" = the partitioner's parameter all-gathers + the leg
+    ops = collective_ops(trainer.compiled_step("sync", batch_for("mlp", 16)), trainer.mesh)
+    gathers = sum(bytes_sent(op) for op in ops if op.axes == (FSDP_AXIS,) and op.kind == "all-gather"
+                  and not fsdp_hook.written_by_jaxpar(op))
+    assert sync["busiest_sent"][FSDP_AXIS] == gathers + fsdp_gradient_bytes(trainer)
+    stated = fsdp_reduce.step_wire_bytes(cz.Int8(), trainer.state_shardings.params, trainer.abstract_state().params)
+    assert abs(sync["busiest_sent"][FSDP_AXIS] - gathers - stated) <= 0.05 * stated

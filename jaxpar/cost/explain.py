@@ -181,8 +181,9 @@ def _expected(op, variant: str, trainer) -> bool:
         if op.kind in ("all-gather", "all-to-all") and codecs.codec_of(communicator) is not None:
             return not local  # int8's codes are all-gathered; under psum a 16-bit sum is all-to-all + all-gather
         return op.kind == "reduce-scatter" and FSDP in axes  # gradients over data and fsdp in one op
-    if FSDP in axes:
-        return op.kind in ("all-gather", "reduce-scatter", "all-reduce")
+    if FSDP in axes:  # a codec's fsdp leg sends its blocks by all-to-all (jaxpar.parallel.fsdp_reduce)
+        return op.kind in ("all-gather", "reduce-scatter", "all-reduce") or (
+            op.kind == "all-to-all" and getattr(communicator, "codec", None) is not None)
     if MODEL in axes:
         return op.kind in ("all-reduce", "all-gather", "reduce-scatter")
     return False
