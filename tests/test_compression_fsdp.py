@@ -231,3 +231,12 @@ def test_explain_counts_the_compressed_fsdp_leg_and_does_not_flag_its_all_to_all
     assert sync["busiest_sent"][FSDP_AXIS] == gathers + fsdp_gradient_bytes(trainer)
     stated = fsdp_reduce.step_wire_bytes(cz.Int8(), trainer.state_shardings.params, trainer.abstract_state().params)
     assert abs(sync["busiest_sent"][FSDP_AXIS] - gathers - stated) <= 0.05 * stated
+
+
+def test_local_sgd_with_a_codec_leaves_its_steps_fsdp_leg_uncompressed():
+    """LocalSGD's codec is for its meetings: no step of it sends a codec's all-to-all over fsdp."""
+    trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.LocalSGD(period=2, compress="int8"))
+    trainer.init(0)
+    for variant in trainer.strategy.variant_shares():
+        ops = collective_ops(trainer.compiled_step(variant, batch_for("mlp", 16)), trainer.mesh)
+        assert not [op for op in ops if op.kind == "all-to-all" and op.axes == (FSDP_AXIS,)], variant

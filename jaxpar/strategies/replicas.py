@@ -156,7 +156,8 @@ def replica_step(ctx, params, model_state, batch, key, *, average: bool = True, 
     index = replica_index()
     own_state = fold_rng_keys(model_state, index)
     loss, metrics, new_state, grads = _replica_loss_and_grad(ctx, params, own_state, batch,
-                                                             jax.random.fold_in(key, index))
+                                                             jax.random.fold_in(key, index),
+                                                             _fsdp_codec(ctx) if average else None)
     new_state = unfold_rng_keys(new_state, model_state)
     metrics = {"loss": loss, **metrics}
     if average and mean_metrics and ctx.communicator.native and not _single_replica():
@@ -208,7 +209,7 @@ def guard_finite(ctx, old, new, metrics):
     return _keep_or_flag(ctx, jnp.isfinite(metrics["loss"]) & finite_within(new), old, new, metrics)
 
 
-def _replica_loss_and_grad(ctx, params, model_state, batch, key):
+def _replica_loss_and_grad(ctx, params, model_state, batch, key, codec=None):
     """Loss, metrics, model state and gradients of the replica's slice, each of its devices computing its own share.
 
     With both fsdp and model larger than 1, letting the compiler split the slice's rows over fsdp inside the
@@ -225,11 +226,11 @@ def _replica_loss_and_grad(ctx, params, model_state, batch, key):
     the fsdp-sharded contracting dimension): a model with state other than its RNG state (BatchNorm statistics
     must be the slice's, not a device's share), a pipeline (the stage axis has its own schedule).
     """
-    if not _rows_split_by_hand(ctx, model_state, batch):
+    if not _rows_split_by_hand(ctx, model_state, batch, codec):
         return loss_and_grad(ctx.graphdef, ctx.loss_fn, params, model_state, _within_replica_batch(ctx, batch), key,
                              ctx.grad_accum)
     fsdp = mesh_lib.axis_name(ctx.mesh, mesh_lib.FSDP_AXIS)
-    by_hand = _fsdp_codec(ctx) is not None  # the gradient leaves unreduced and is reduce-scattered by fsdp_reduce
+    by_hand = codec is not None  # the gradient leaves unreduced and is reduce-scattered by fsdp_reduce
 
     def own_rows(params, model_state, batch, key):
         index = lax.axis_index(fsdp)
@@ -250,17 +251,19 @@ def _replica_loss_and_grad(ctx, params, model_state, batch, key):
         own_rows, in_specs=(same, same, rows, same), out_specs=(same, same, same, grads_out), axis_names={fsdp},
         check_vma=False)(params, model_state, batch, key)
     if by_hand:
-        grads = fsdp_reduce.reduce_scatter(grads, ctx.param_shardings, ctx.mesh, _fsdp_codec(ctx))
+        grads = fsdp_reduce.reduce_scatter(grads, ctx.param_shardings, ctx.mesh, codec)
     return loss, metrics, new_state, grads
 
 
 def _fsdp_codec(ctx):
-    """The codec of the gradient's fsdp leg (`jaxpar.parallel.fsdp_reduce`): the communicator's, if it compresses
-    (None: the fsdp mean is the pmean of today)."""
+    """The codec of the gradient's fsdp leg (`jaxpar.parallel.fsdp_reduce`) of a step that averages its gradient
+    with a compressing communicator: that communicator's codec (Sync's `compress`; None: the fsdp mean is the pmean
+    of before). A local step (local SGD / DiLoCo, whose codec is for the meetings) passes None: its fsdp leg stays
+    uncompressed, like their warm-up steps."""
     return getattr(ctx.communicator, "codec", None)
 
 
-def _rows_split_by_hand(ctx, model_state, batch) -> bool:
+def _rows_split_by_hand(ctx, model_state, batch, codec=None) -> bool:
     """fsdp larger than 1 and either model larger than 1 or a codec (its fsdp leg needs the unreduced gradient), no
     pipeline, each device's rows divisible into `grad_accum`
     microbatches, and a model whose only state is its RNG state: a variable the model updates from its batch
@@ -269,7 +272,7 @@ def _rows_split_by_hand(ctx, model_state, batch) -> bool:
     fsdp = mesh_lib.size(mesh, mesh_lib.FSDP_AXIS)
     only_rng_state = all(isinstance(v, nnx.RngState) for v in jax.tree.leaves(model_state, is_leaf=shd.is_variable))
     rows = {x.shape[0] for x in jax.tree.leaves(batch)}
-    by_hand = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1 or _fsdp_codec(ctx) is not None
+    by_hand = mesh_lib.size(mesh, mesh_lib.TENSOR_AXIS) > 1 or codec is not None
     return (fsdp > 1 and by_hand and mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) == 1
             and only_rng_state and all(r % (fsdp * ctx.grad_accum) == 0 for r in rows))
 
