@@ -122,10 +122,12 @@ def convergence_table(runs):
     for task in dict.fromkeys(r["task"] for r in runs):
         held = "test_loss" if task == "mlp" else "val_loss"
         rows = [r for r in runs if r["task"] == task]
-        base = {r["seed"]: r for r in rows if r["strategy"] == "sync" and r["codec"] == "none"}
-        seeds = len(base)
-        print(f"\n{task}: mesh {MESH}, {rows[0]['steps']} steps, seeds {sorted(base)}; mean (sd) over seeds; "
-              f"'vs none': the mean over seeds of each run / the uncompressed run of its seed - 1\n")
+        # each strategy against its own uncompressed run of the same seed
+        base = {(r["strategy"], r["seed"]): r for r in rows if r["codec"] == "none"}
+        seeds = len({r["seed"] for r in rows})
+        print(f"\n{task}: mesh {MESH}, {rows[0]['steps']} steps, seeds {sorted({r['seed'] for r in rows})}; mean (sd) "
+              f"over seeds; 'vs none': the mean over seeds of each run / the same strategy's uncompressed run of its "
+              f"seed - 1\n")
         print(f"| strategy | codec | final training loss | vs none | held-out loss | vs none |"
               + (" test accuracy |" if task == "mlp" else ""))
         print("|---|---|---|---|---|---|" + ("---|" if task == "mlp" else ""))
@@ -134,8 +136,9 @@ def convergence_table(runs):
             cells = []
             for key in ("final_train_loss", held):
                 mean, sd = _mean_sd([r[key] for r in group])
-                rel = statistics.mean(r[key] / base[r["seed"]][key] - 1 for r in group if r["seed"] in base)
-                cells.append(f"{mean:.4f} ({sd:.4f}) | {100 * rel:+.2f}%" if math.isfinite(mean) else "diverged | -")
+                rels = [r[key] / base[label, r["seed"]][key] - 1 for r in group if (label, r["seed"]) in base]
+                rel = f"{100 * statistics.mean(rels):+.2f}%" if rels else "-"
+                cells.append(f"{mean:.4f} ({sd:.4f}) | {rel}" if math.isfinite(mean) else "diverged | -")
             if task == "mlp":
                 mean, sd = _mean_sd([r["test_accuracy"] for r in group])
                 cells.append(f"{mean:.4f} ({sd:.4f})")
