@@ -67,24 +67,30 @@ def available(build, codec):
         return None
 
 
-def train(task, label, build, codec, seed, steps, task_parts, mesh):
-    """One run: per-step losses, the final 10-step mean, held-out metrics, wall seconds."""
+def optimizer(name: str = "adam"):
+    """adam lr 3e-3 (the default); momentum: SGD lr 0.05, momentum 0.9, the optimizer PowerSGD's paper trains with
+    (Vogels et al. 2019 use SGD with momentum; Adam's per-coordinate scaling meets a low-rank gradient differently)."""
     import optax
 
+    return {"adam": lambda: optax.adam(3e-3), "momentum": lambda: optax.sgd(0.05, momentum=0.9)}[name]()
+
+
+def train(task, label, build, codec, seed, steps, task_parts, mesh, optimizer_name="adam"):
+    """One run: per-step losses, the final 10-step mean, held-out metrics, wall seconds."""
     from benchmarks.strategies import smoothed
 
     strategy = available(build, codec)
     if strategy is None:
         return None
     parts, batches, held_out = task_parts
-    trainer = common.trainer(parts, mesh, optax.adam(3e-3), strategy=strategy)
+    trainer = common.trainer(parts, mesh, optimizer(optimizer_name), strategy=strategy)
     losses = []
     start = time.perf_counter()
     state = trainer.fit(trainer.init(seed), batches(seed), steps,
                         on_step=lambda step, metrics: losses.append(float(metrics["loss"])))
     held = held_out(trainer, state)
     return {"task": task, "strategy": label, "codec": codec, "seed": seed, "steps": steps, "losses": losses,
-            "smoothed": smoothed(losses), "final_train_loss": sum(losses[-SMOOTH:]) / SMOOTH, **held,
+            "optimizer": optimizer_name, "smoothed": smoothed(losses), "final_train_loss": sum(losses[-SMOOTH:]) / SMOOTH, **held,
             "wall_seconds": time.perf_counter() - start}
 
 
@@ -99,7 +105,8 @@ def convergence(args, mesh):
                 continue
             for codec in (args.codecs.split(",") if args.codecs else CODECS if label == "sync" else TIME_CODECS):
                 for seed in SEEDS[:args.seeds]:
-                    run = train(task, label, build, codec, seed, args.steps or STEPS[task], task_parts, mesh)
+                    run = train(task, label, build, codec, seed, args.steps or STEPS[task], task_parts, mesh,
+                                args.optimizer)
                     if run is None:
                         break
                     runs.append(run)
@@ -286,6 +293,8 @@ def main():
     parser.add_argument("--codecs", default=None, help=f"codecs separated by ',' (default: {','.join(CODECS)}; "
                                                         f"local SGD: {','.join(TIME_CODECS)})")
     parser.add_argument("--strategies", default=None, help="labels of STRATEGIES separated by ',' (default: all)")
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "momentum"],
+                        help="--part convergence: adam lr 3e-3 (default) or SGD lr 0.05 momentum 0.9")
     parser.add_argument("--seeds", type=int, default=len(SEEDS), choices=range(1, len(SEEDS) + 1))
     parser.add_argument("--out", default=None, help="JSON file for the convergence runs (with per-step losses)")
     parser.add_argument("--load", default=None, help="--part time: the runs of an earlier --part convergence --out")
