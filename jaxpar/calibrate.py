@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trips", type=int, default=8, help="loop trips timed per call (one trip is one op)")
     parser.add_argument("--model", default=None,
                         help="also time this built-in model's training step (sync, every device on data, at "
-                             "--batch-size and 4x it): the profile then prices that model's compute at its measured "
+                             "--batch-size and 2, 4, 8 and 16x it, a least-squares fit): the profile then prices that model's compute at its measured "
                              "utilisation and adds its fixed cost per step (jaxpar/cost/model_step.py)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="the global batch of --model's reference run (default: the model's default)")

@@ -66,6 +66,9 @@ class Profile:
     # on XLA:CPU a collective-permute costs several times an all-reduce's latency); empty: `links` for every kind
     kinds: dict = field(default_factory=dict, hash=False)
     model: str | None = None  # the model whose training step gave `sustained` and `launch` (None: a matmul loop)
+    # gradient codec name -> {"seconds_per_element", "flops_per_element", "replicas"}: its encode + decode measured
+    # on this machine with every device busy (jaxpar.cost.codec_calibration); empty: codecs priced by FLOPs
+    codecs: dict = field(default_factory=dict, hash=False)
 
     @property
     def compute_flops(self) -> float:

@@ -7,8 +7,8 @@ the optimizer and the guard, each a thunk on every device) and a transformer's s
 matmul rate (docs/cost-model.md, validated on this machine). Both depend on the model, so the model is measured.
 
 What is timed: sync SGD with the compiler's all-reduce on one mesh (the reference; default every device on data),
-at two global batches, B and k x B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
-Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating the two, run with at most two in flight (as
+at global batches B, 2B, 4B, 8B and 16B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
+Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating them, run with at most two in flight (as
 `fit` runs them); the median round gives seconds per step.
 
 The fit. With P the projected compute (FLOPs per device / the matmul rate) and C the projected communication of
@@ -16,7 +16,9 @@ the compiled step (priced on the calibrated links), a step is taken to cost
 
     t = fixed + P / u + C
 
-so the two batches give 1/u = ((t2 - C2) - (t1 - C1)) / (P2 - P1) and fixed = t1 - C1 - P1 / u. 1/u below 1 (a step
+and 1/u is the slope of the least-squares line of t - C against P over the batches, fixed its mean rest
+(mean of t - C - P / u); the fit's relative RMS and worst residual are reported. With two batches that is
+1/u = ((t2 - C2) - (t1 - C1)) / (P2 - P1): a noisy pair swung u from 0.43 to 1.0. 1/u below 1 (a step
 faster than the matmul loop) or not a number is noise: u = 1 then, and fixed = the mean of t - C - P. A negative
 fixed is taken as 0 (said in the note). The profile then prices compute at u x the matmul rate (`sustained`) and
 the fixed cost as every step's `launch`, and names the model (`model`): it projects that model, not another.
@@ -28,14 +30,18 @@ import statistics
 import time
 from typing import Callable
 
-BATCH_FACTORS = (1, 4)  # the reference's two global batches, in multiples of B
+# the reference's global batches, in multiples of B: a least-squares line through five sizes over a 16x range, not
+# two points 4x apart (two calibrations in a row with (1, 4) gave the MLP utilisation 0.425 and 1.0 on this machine:
+# its compute at batch 4B is below the noise of its fixed cost; docs/cost-model.md)
+BATCH_FACTORS = (1, 2, 4, 8, 16)
 STEPS, ROUNDS, WARMUP = 20, 5, 3
 
 
 def fit_step(points) -> dict:
     """`points`: [(P, C, t)] at two or more batches (projected compute, projected communication, measured seconds
-    per step). Returns {"utilisation": u, "fixed": seconds, "note": ...} (the module docstring's fit; with more
-    than two points, the least-squares line of t - C against P)."""
+    per step). Returns {"utilisation": u, "fixed": seconds, "note": ..., "rms_relative_error",
+    "worst_relative_error"} (the module docstring's fit: the least-squares line of t - C against P; the errors are
+    the fitted step times' against the measured, before a negative fixed cost is taken as 0)."""
     import numpy as np
 
     p = np.array([x[0] for x in points], float)
@@ -50,10 +56,14 @@ def fit_step(points) -> dict:
     else:
         inverse = slope
         fixed = float(np.mean(rest - p * inverse))
+    measured = np.array([x[2] for x in points], float)
+    relative = (fixed + p * inverse + (measured - rest) - measured) / measured
+    errors = {"rms_relative_error": float(np.sqrt(np.mean(relative ** 2))),
+              "worst_relative_error": float(np.max(np.abs(relative)))}
     if fixed < 0:
         note = (note + "; " if note else "") + f"fixed cost came out {fixed * 1e6:.1f} us: taken as 0"
         fixed = 0.0
-    return {"utilisation": 1.0 / inverse, "fixed": fixed, "note": note}
+    return {"utilisation": 1.0 / inverse, "fixed": fixed, "note": note, **errors}
 
 
 def runner(trainer, batch) -> Callable[[int], None]:

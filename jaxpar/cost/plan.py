@@ -14,8 +14,8 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   per H (`Strategy.project`). Their memory is the compiled step's with the train state swapped for the
   strategy's own (`Trainer.state_bytes_per_device`, from shapes only). Sync with an explicit allreduce and a codec
   (`codecs`, default bf16, int8, powersgd:4) replaces it by the codec's exchange (its payload's textbook traffic)
-  plus the codec's compute at the sustained FLOP/s, and adds its error-feedback residuals to the memory
-  (`jaxpar.cost.codecs`); a codec changes the math, so its steps to target come from `steps_ratio` under its
+  on each collective kind's own link, plus the codec's compute (calibrated, else at the sustained FLOP/s) and the
+  loss's own all-reduce, and adds its error-feedback residuals to the memory (`jaxpar.cost.codecs`); a codec changes the math, so its steps to target come from `steps_ratio` under its
   label or "sync compress=CODEC".
 - Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
   no remat are applied to every mesh (an estimate, said in the output).
@@ -119,16 +119,22 @@ def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profi
 
 def _codec_seconds(strategy, replicas: int, params: list[dict], profile) -> tuple[float, float, int]:
     """(seconds of the compressed exchange on the data link, seconds of the codec's compute, bytes of its state per
-    device) for `params` (the plan's parameters: whole shapes and bytes per device; `jaxpar.cost.codecs`)."""
+    device) for `params` (the plan's parameters: whole shapes and bytes per device; `jaxpar.cost.codecs`). The
+    exchange includes the explicit step's own all-reduce of its loss and metrics over data: the compiled step's
+    data collectives it replaces held them (the compiler combines them with the gradient's)."""
     from jaxpar.cost import codecs
+    from jaxpar.cost.hardware import collective_seconds
+    from jaxpar.cost.hlo import Collective
     from jaxpar.parallel import mesh as mesh_lib
 
     communicator = strategy.communicator
     codec = codecs.codec_of(communicator)
     shapes = [tuple(p["shape"]) if not communicator.per_shard else (p["bytes_per_device"] // 4,) for p in params]
     state = sum(p["bytes_per_device"] for p in params) if getattr(codec, "error_feedback", False) else 0
-    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile.link((mesh_lib.DATA,)))
-    return wire, codecs.flops(codec, shapes, replicas) / profile.compute_flops, state
+    axes = (mesh_lib.DATA,)
+    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile, axes)
+    wire += collective_seconds(Collective("all-reduce", 4, replicas, axes), profile)  # the loss mean
+    return wire, codecs.compute_seconds(codec, shapes, replicas, profile), state
 
 
 def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
