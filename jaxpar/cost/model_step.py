@@ -9,7 +9,8 @@ matmul rate (docs/cost-model.md, validated on this machine). Both depend on the 
 What is timed: sync SGD with the compiler's all-reduce on one mesh (the reference; default every device on data),
 at global batches B, 2B, 4B, 8B and 16B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
 Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating them, run with at most two in flight (as
-`fit` runs them); the median round gives seconds per step.
+`fit` runs them); the fastest round gives seconds per step (the load of other work is noise, as in the links'
+calibration).
 
 The fit. With P the projected compute (FLOPs per device / the matmul rate) and C the projected communication of
 the compiled step (priced on the calibrated links), a step is taken to cost
@@ -87,9 +88,10 @@ def runner(trainer, batch) -> Callable[[int], None]:
     return run
 
 
-def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMUP) -> list[float]:
+def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMUP,
+                        statistic: Callable = statistics.median) -> list[float]:
     """Seconds per step of each `runner` in `runs`: `warmup` steps each, then `rounds` rounds of `steps` steps that
-    alternate the runners (so the machine's noise hits them alike); the median round of each."""
+    alternate the runners (so the machine's noise hits them alike); the `statistic` (median) round of each."""
     for run in runs:
         run(warmup)
     times: list[list[float]] = [[] for _ in runs]
@@ -98,7 +100,7 @@ def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMU
             started = time.perf_counter()
             run(steps)
             times[i].append((time.perf_counter() - started) / steps)
-    return [statistics.median(t) for t in times]
+    return [statistic(t) for t in times]
 
 
 def time_steps(trainer, batch, steps: int = STEPS, rounds: int = ROUNDS, warmup: int = WARMUP) -> float:
@@ -130,8 +132,11 @@ def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size:
         compute, comm = projected_parts(trainer, batch, profile.launch)
         runs.append((trainer, batch))
         points.append({"batch": factor * batch_size, "compute": compute, "communication": comm})
+    # the fastest round, as the links' calibration keeps the fastest call: other sessions' load is noise, never the
+    # step's own cost (two calibrations in a row with the median: fixed cost 1,892 and 1,114 us; docs/cost-model.md)
     measured = ([timer(trainer, batch) for trainer, batch in runs] if timer else
-                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], steps, rounds))
+                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], steps, rounds,
+                                    statistic=min))
     for point, seconds in zip(points, measured):
         point["measured"] = seconds
         if progress:
