@@ -169,3 +169,22 @@ def test_the_advisor_prices_a_codec_with_its_calibrated_compute_and_the_loss_all
     assert state == 64 * 16 * 4
     _, by_flops, _ = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, _kinds_profile())
     assert by_flops == 22 * 1024 / 1e9  # not calibrated: its FLOPs at the profile's rate
+
+
+def test_powersgd_on_a_model_split_replica_pays_the_resharding_its_compiled_step_adds():
+    """The MLP on data=2,model=2 with a slow model link (10 ms per message): PowerSGD on whole arrays makes the
+    compiler reshard its matmuls and QR over model, a dozen-plus collectives its sync step does not have, so its
+    plan projects > 0.1 s more than the uncompressed ring's (before: within 1 ms of it, the resharding unpriced).
+    The elementwise int8 (per shard) adds none."""
+    import models
+    from jaxpar.cli.config import Config
+
+    config = Config(model="mlp", dropout=0.0, batch_size=32).resolved()
+    batch = {"image": jax.ShapeDtypeStruct((32, 8, 8, 1), np.float32), "label": jax.ShapeDtypeStruct((32,), np.int32)}
+    result = advisor.plan(models.factory(config), models.loss_for(config), optax.sgd(0.1), batch,
+                          "flops=1e9,alpha=1e-6,bandwidth=1e12,model.alpha=1e-2", 4,
+                          meshes=["data=2,fsdp=1,model=2"], remats=("none",), periods=(), codecs=("powersgd:4", "int8"))
+    seconds = {c.strategy: c.seconds for c in result["plans"]}
+    ring = seconds["sync allreduce=ring"]
+    assert seconds["sync allreduce=ring compress=powersgd:4"] - ring > 0.1, seconds
+    assert abs(seconds["sync allreduce=ring compress=int8"] - ring) < 1e-3, seconds

@@ -15,7 +15,9 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   strategy's own (`Trainer.state_bytes_per_device`, from shapes only). Sync with an explicit allreduce and a codec
   (`codecs`, default bf16, int8, powersgd:4) replaces it by the codec's exchange (its payload's textbook traffic)
   on each collective kind's own link, plus the codec's compute (calibrated, else at the sustained FLOP/s) and the
-  loss's own all-reduce, and adds its error-feedback residuals to the memory (`jaxpar.cost.codecs`); a codec changes the math, so its steps to target come from `steps_ratio` under its
+  loss's own all-reduce, and adds its error-feedback residuals to the memory (`jaxpar.cost.codecs`). A codec on
+  whole arrays (PowerSGD) on a mesh whose replica spans devices is compiled once per mesh: the within-replica
+  collectives its step adds (the compiler resharding its matmuls and QR) are added too (`_resharding_seconds`); a codec changes the math, so its steps to target come from `steps_ratio` under its
   label or "sync compress=CODEC".
 - Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
   no remat are applied to every mesh (an estimate, said in the output).
@@ -137,6 +139,24 @@ def _codec_seconds(strategy, replicas: int, params: list[dict], profile) -> tupl
     return wire, codecs.compute_seconds(codec, shapes, replicas, profile), state
 
 
+def _resharding_seconds(trainer, batch, sync_entry) -> float:
+    """Seconds of the within-replica collectives a whole-array codec's step adds to the sync step's (`sync_entry`,
+    the mesh's explain entry): PowerSGD's matmuls and QR on arrays split over fsdp / model make the compiler
+    reshard them, a collective per matrix and round. Measured: on data=2,model=4 the MLP's PowerSGD step has 19
+    permutes, 21 all-gathers and 4 all-reduces over model that its sync step does not, and the advisor projected
+    1.9-2.5 ms for a step measured at 7.2-7.4 ms (docs/cost-model.md). `trainer`: that codec's Sync on the mesh,
+    compiled here (once per mesh and codec: the algorithm over data does not change them)."""
+    from jaxpar.cost.explain import explain
+    from jaxpar.parallel import mesh as mesh_lib
+
+    def within(entry) -> float:
+        return sum(c.get("seconds", 0.0) for c in entry["communication"]
+                   if mesh_lib.DATA not in c["axes"].split("+"))
+
+    entry = next(iter(explain(trainer, batch)["variants"].values()))
+    return max(within(entry) - within(sync_entry), 0.0)
+
+
 def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
     """Per remat policy: (temporaries ratio, FLOPs ratio) to no remat (`base`: the trainer's own step's
     (temporaries, FLOPs per device), already compiled), each other policy compiled on `trainer`'s mesh."""
@@ -212,6 +232,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
     steps_ratio = dict(steps_ratio or {})
     strategies = _strategies(periods, codecs)
     plans, refused, ratios, remat_mesh, budget = [], {}, None, None, None
+    reshards = {}  # (mesh, codec): seconds of the within-replica collectives a whole-array codec adds
     specs = meshes or mesh_specs(devices, stages)
     built = _compile_meshes(specs, lambda spec: Trainer(model, loss_fn, optimizer, make_mesh(spec, devices=pool),
                                                         rules=rules, hardware=profile), batch, workers)
@@ -254,6 +275,13 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
                     continue
                 wire, codec_compute, codec_state = _codec_seconds(strategy, replicas, report["plan"]["parameters"],
                                                                   profile)
+                if not strategy.communicator.per_shard and mesh.size > replicas:  # a replica spans devices
+                    key = (spec, how[2])
+                    if key not in reshards:
+                        reshards[key] = _resharding_seconds(
+                            Trainer(model, loss_fn, optimizer, mesh, rules=rules, strategy=strategy,
+                                    hardware=profile), batch, entry)
+                    wire += reshards[key]
                 seconds = compute + comm - exchange + wire + codec_compute
             elif how[0] == "period":
                 if replicas <= 1:
