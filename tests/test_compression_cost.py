@@ -142,13 +142,17 @@ def _kinds_profile(**codecs_field):
 
 
 def test_a_codecs_collectives_are_each_priced_on_their_own_kinds_link():
-    """Ring over 4 replicas: int8's all-gather is 3 ppermute steps (3 ms on the permute's link, not 3 us on the
-    all-reduce's); fp16's sum is a ring of 6 ppermute steps and its scales one native pmax (6 all-reduce steps)."""
+    """Over 4 replicas: int8 all-gathers its codes and its scales, each a chain of ppermutes (ring 3 each: 6 ms on
+    the permute's link, not 6 us on the all-reduce's; a 2x2 torus 2 each; ps 6 each, through the root: the compiled
+    step's 12 permutes); fp16's sum is a ring of 6 ppermute steps and its scales one native pmax (6 all-reduce
+    steps)."""
     from jaxpar.parallel.compression import compressed
 
     profile = _kinds_profile()
-    int8 = compressed("ring", "int8")
-    assert math.isclose(codecs.exchange_seconds(int8, [(1024,)], 4, profile, ("data",)), 3e-3, rel_tol=1e-6)
+    for algorithm, permutes in (("ring", 6), ("torus2d", 4), ("ps", 12)):
+        int8 = compressed(algorithm, "int8")
+        assert math.isclose(codecs.exchange_seconds(int8, [(1024,)], 4, profile, ("data",)), permutes * 1e-3,
+                            rel_tol=1e-6), algorithm
     fp16 = compressed("ring", "fp16")
     assert codecs.link_kind("ring", "scales (pmax)", fp16.codec) == "all-reduce"
     assert math.isclose(codecs.exchange_seconds(fp16, [(1024,)], 4, profile, ("data",)), 6e-3 + 6e-6, rel_tol=1e-6)
@@ -158,13 +162,13 @@ def test_a_codecs_collectives_are_each_priced_on_their_own_kinds_link():
 
 
 def test_the_advisor_prices_a_codec_with_its_calibrated_compute_and_the_loss_all_reduce():
-    """`_codec_seconds`: the exchange on the permute's link plus the explicit step's all-reduce of its loss (6
+    """`_codec_seconds`: the exchange on the permute's link (int8 on a ring of 4: 6 permutes) plus the explicit step's all-reduce of its loss (6
     all-reduce steps of 1 us over 4 replicas), and the codec's compute from the profile's calibration."""
     calibrated = {"int8": {"seconds_per_element": 5e-8, "flops_per_element": 22.0, "replicas": 4}}
     profile = _kinds_profile(codecs=calibrated)
     params = [{"shape": (64, 16), "bytes_per_device": 64 * 16 * 4}]
     wire, compute, state = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, profile)
-    assert math.isclose(wire, 3e-3 + 6e-6, rel_tol=1e-6)
+    assert math.isclose(wire, 6e-3 + 6e-6, rel_tol=1e-6)
     assert math.isclose(compute, 1024 * 5e-8, rel_tol=1e-12)  # at the calibrated N: the measured time per element
     assert state == 64 * 16 * 4
     _, by_flops, _ = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, _kinds_profile())
