@@ -96,6 +96,8 @@ class Profile:
             parts.append(f"sustained and launch measured on {self.model}'s training step")
         if self.kinds:
             parts.append(f"own links for {', '.join(sorted(self.kinds))}")
+        if self.codecs:
+            parts.append(f"codec compute measured for {', '.join(sorted(self.codecs))}")
         inside = " inside a node" if self.devices_per_node else ""
         for axis in mesh_lib.AXES:
             if axis in self.links:
