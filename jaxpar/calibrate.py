@@ -78,11 +78,11 @@ def main(argv=None) -> int:
     parser.add_argument("--matmul-sizes", type=_int_list("--matmul-sizes", 8), default=MATMUL_SIZES,
                         help="n of the n x n matmuls timed, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per program (the fastest is kept); with "
-                        "--model, also the rounds of its reference steps (the median is kept)")
+                        "--model, also the rounds of its reference steps (the fastest is kept)")
     parser.add_argument("--trips", type=int, default=8, help="loop trips timed per call (one trip is one op)")
     parser.add_argument("--model", default=None,
                         help="also time this built-in model's training step (sync, every device on data, at "
-                             "--batch-size and 4x it): the profile then prices that model's compute at its measured "
+                             "--batch-size and 2, 4, 8 and 16x it, a least-squares fit): the profile then prices that model's compute at its measured "
                              "utilisation and adds its fixed cost per step (jaxpar/cost/model_step.py)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="the global batch of --model's reference run (default: the model's default)")

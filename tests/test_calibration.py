@@ -182,6 +182,74 @@ def test_a_step_of_known_fixed_cost_and_utilisation_is_recovered():
     assert "taken as 0" in fit_step([(1e-3, 0.0, 2e-3), (2e-3, 0.0, 5e-3)])["note"]
 
 
+def test_a_noisy_step_is_fitted_over_several_batches_and_the_fits_error_is_reported():
+    """Five batches on a machine whose step is 1 ms + P / 0.25 + C with a known +-3% error on each: the least-squares
+    line gives u and the fixed cost within a few percent, and the fit's residuals are reported exactly."""
+    import numpy as np
+
+    from jaxpar.cost.model_step import fit_step
+
+    p = np.array([1e-4, 2e-4, 4e-4, 8e-4, 16e-4])
+    noise = np.array([0.03, -0.03, 0.03, -0.03, 0.0])
+    t = (1e-3 + p / 0.25 + 2e-4) * (1 + noise)
+    fitted = fit_step(list(zip(p, [2e-4] * 5, t)))
+    assert abs(fitted["utilisation"] / 0.25 - 1) < 0.03 and abs(fitted["fixed"] / 1e-3 - 1) < 0.1, fitted
+    slope, intercept = np.polyfit(p, t - 2e-4, 1)
+    relative = (intercept + slope * p + 2e-4 - t) / t
+    assert math.isclose(fitted["rms_relative_error"], float(np.sqrt(np.mean(relative ** 2))), rel_tol=1e-9)
+    assert math.isclose(fitted["worst_relative_error"], float(np.max(np.abs(relative))), rel_tol=1e-9)
+    assert 0.01 < fitted["rms_relative_error"] < 0.04
+
+
+def test_codecs_are_calibrated_per_element_on_a_fake_machine_and_the_profile_keeps_them(tmp_path):
+    """A fake machine where int8's encode + decode of the timed shape takes 20 ms and bf16's 1 ms: the profile
+    stores seconds per element, survives the JSON round trip, and prices a codec's compute from it."""
+    from jaxpar.cost import codec_calibration, codecs
+    from jaxpar.parallel.compression import parse_codec
+
+    elements = codec_calibration.ELEMENTS
+    machine = cal.calibrate(MESH, measure=_known_machine(7e-6, 3e9), flops=2.5e10, codecs=("bf16", "int8"),
+                            measure_codec=lambda name, n: {"bf16": 1e-3, "int8": 2e-2}[name])
+    assert machine["codecs"]["int8"] == {"seconds_per_element": 2e-2 / elements, "flops_per_element": 34.0,
+                                         "replicas": 8}
+    assert machine["codecs"]["bf16"]["seconds_per_element"] == 1e-3 / elements
+    assert any("codec int8 (N=8)" in line for line in cal.summary(machine))
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(machine))
+    loaded = jaxpar.parse_hardware(str(path))
+    assert loaded.codecs == machine["codecs"]
+    int8 = parse_codec("int8")
+    # at the calibrated N: the measured time per element; at N = 2 scaled by the FLOPs (10 + 3N per element)
+    assert math.isclose(codecs.compute_seconds(int8, [(1024,)], 8, loaded), 1024 * 2e-2 / elements, rel_tol=1e-12)
+    assert math.isclose(codecs.compute_seconds(int8, [(1024,)], 2, loaded), 1024 * 2e-2 / elements * 16 / 34,
+                        rel_tol=1e-12)
+    # a codec not calibrated (fp16) is priced by its FLOPs at the sustained rate, as before
+    fp16 = parse_codec("fp16")
+    assert codecs.compute_seconds(fp16, [(1024,)], 8, loaded) == 7 * 1024 / loaded.compute_flops
+
+
+def test_a_malformed_codecs_entry_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "p", "flops": 1e9, "links": {"data": {"alpha": 0, "bandwidth": 1e9}},
+                                "codecs": {"int8": {"seconds_per_element": 1e-9}}}))
+    with pytest.raises(jaxpar.JaxparError, match="'codecs' must map codec names to"):
+        jaxpar.parse_hardware(str(path))
+    path.write_text(json.dumps({"name": "p", "flops": 1e9, "links": {"data": {"alpha": 0, "bandwidth": 1e9}},
+                                "codecs": {"int8": {"seconds_per_element": -1, "flops_per_element": 34,
+                                                    "replicas": 8}}}))
+    with pytest.raises(jaxpar.JaxparError, match="codecs.int8.seconds_per_element must be a finite number > 0"):
+        jaxpar.parse_hardware(str(path))
+
+
+def test_a_codec_is_timed_on_the_devices():
+    from jaxpar.cost import codec_calibration
+
+    timed = codec_calibration.calibrate_codecs(jaxpar.make_mesh("8"), ("bf16", "powersgd:4"), trips=2, repeats=1)
+    for name in ("bf16", "powersgd:4"):
+        assert 1e-13 < timed[name]["seconds_per_element"] < 1e-5, timed
+    assert timed["powersgd:4"]["flops_per_element"] == 6 * 4 + 2 + 4 * 4 ** 2 / 512  # 6R + 2 + the QR's 4R^2/m
+
+
 def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_measured():
     """The reference runs are timed by a fake machine whose step costs exactly fixed + P / u + C: the calibration
     recovers u and the fixed cost, and the profile it writes projects the reference's measured time."""
@@ -199,7 +267,8 @@ def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_mea
     assert profile["model"] == "mlp" and profile["name"] == "calibrated-mlp"
     assert math.isclose(profile["sustained"], 0.2 * 2.5e10, rel_tol=1e-6)
     assert math.isclose(profile["launch"], 2e-3, rel_tol=1e-6)
-    assert [p["batch"] for p in profile["calibration"]["model"]["points"]] == [16, 64]
+    assert [p["batch"] for p in profile["calibration"]["model"]["points"]] == [16, 32, 64, 128, 256]
+    assert profile["calibration"]["model"]["rms_relative_error"] < 1e-6  # the fake machine is exactly on the line
     priced = Profile.from_dict(profile)
     import models
     from jaxpar.cli.build import make_optimizer
@@ -210,7 +279,7 @@ def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_mea
                              jaxpar.make_mesh("8"), hardware=priced)
     batch = {"image": jax_struct((64, 8, 8, 1), "float32"), "label": jax_struct((64,), "int32")}
     compute, comm = model_step.projected_parts(trainer, batch, 0.0)
-    assert math.isclose(compute + comm, seen[1], rel_tol=1e-6)  # the reference at batch 64, projected back
+    assert math.isclose(compute + comm, seen[2], rel_tol=1e-6)  # the reference at batch 64, projected back
 
 
 def jax_struct(shape, dtype):

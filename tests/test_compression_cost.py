@@ -131,3 +131,64 @@ def test_cli_plan_uses_the_measured_codec_steps_ratios_for_built_in_models():
     assert ratios["sync compress=powersgd:4"] == pytest.approx(561 / 417)
     assert ratios["sync compress=bf16"] == pytest.approx(416 / 417)
     assert "local_sgd H=4" in ratios  # the strategies' ratios stay
+
+
+def _kinds_profile(**codecs_field):
+    """Data links that tell the kinds apart: a permute's latency 1 ms, an all-reduce's 1 us, bytes free."""
+    from jaxpar.cost.hardware import Link, Profile
+
+    fast, permute = Link(1e-6, 1e15), Link(1e-3, 1e15)
+    return Profile("kinds", 1e9, {"data": fast}, kinds={"collective-permute": {"data": permute}}, **codecs_field)
+
+
+def test_a_codecs_collectives_are_each_priced_on_their_own_kinds_link():
+    """Over 4 replicas: int8 all-gathers its codes and its scales, each a chain of ppermutes (ring 3 each: 6 ms on
+    the permute's link, not 6 us on the all-reduce's; a 2x2 torus 2 each; ps 6 each, through the root: the compiled
+    step's 12 permutes); fp16's sum is a ring of 6 ppermute steps and its scales one native pmax (6 all-reduce
+    steps)."""
+    from jaxpar.parallel.compression import compressed
+
+    profile = _kinds_profile()
+    for algorithm, permutes in (("ring", 6), ("torus2d", 4), ("ps", 12)):
+        int8 = compressed(algorithm, "int8")
+        assert math.isclose(codecs.exchange_seconds(int8, [(1024,)], 4, profile, ("data",)), permutes * 1e-3,
+                            rel_tol=1e-6), algorithm
+    fp16 = compressed("ring", "fp16")
+    assert codecs.link_kind("ring", "scales (pmax)", fp16.codec) == "all-reduce"
+    assert math.isclose(codecs.exchange_seconds(fp16, [(1024,)], 4, profile, ("data",)), 6e-3 + 6e-6, rel_tol=1e-6)
+    # under psum a 16-bit sum is XLA's all-to-all + all-gather, int8's gather XLA's all-gather
+    assert codecs.link_kind("psum", "all-reduce", fp16.codec) == "all-to-all"
+    assert codecs.link_kind("psum", "all-gather", int8.codec) == "all-gather"
+
+
+def test_the_advisor_prices_a_codec_with_its_calibrated_compute_and_the_loss_all_reduce():
+    """`_codec_seconds`: the exchange on the permute's link (int8 on a ring of 4: 6 permutes) plus the explicit step's all-reduce of its loss (6
+    all-reduce steps of 1 us over 4 replicas), and the codec's compute from the profile's calibration."""
+    calibrated = {"int8": {"seconds_per_element": 5e-8, "flops_per_element": 22.0, "replicas": 4}}
+    profile = _kinds_profile(codecs=calibrated)
+    params = [{"shape": (64, 16), "bytes_per_device": 64 * 16 * 4}]
+    wire, compute, state = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, profile)
+    assert math.isclose(wire, 6e-3 + 6e-6, rel_tol=1e-6)
+    assert math.isclose(compute, 1024 * 5e-8, rel_tol=1e-12)  # at the calibrated N: the measured time per element
+    assert state == 64 * 16 * 4
+    _, by_flops, _ = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, _kinds_profile())
+    assert by_flops == 22 * 1024 / 1e9  # not calibrated: its FLOPs at the profile's rate
+
+
+def test_powersgd_on_a_model_split_replica_pays_the_resharding_its_compiled_step_adds():
+    """The MLP on data=2,model=2 with a slow model link (10 ms per message): PowerSGD on whole arrays makes the
+    compiler reshard its matmuls and QR over model, a dozen-plus collectives its sync step does not have, so its
+    plan projects > 0.1 s more than the uncompressed ring's (before: within 1 ms of it, the resharding unpriced).
+    The elementwise int8 (per shard) adds none."""
+    import models
+    from jaxpar.cli.config import Config
+
+    config = Config(model="mlp", dropout=0.0, batch_size=32).resolved()
+    batch = {"image": jax.ShapeDtypeStruct((32, 8, 8, 1), np.float32), "label": jax.ShapeDtypeStruct((32,), np.int32)}
+    result = advisor.plan(models.factory(config), models.loss_for(config), optax.sgd(0.1), batch,
+                          "flops=1e9,alpha=1e-6,bandwidth=1e12,model.alpha=1e-2", 4,
+                          meshes=["data=2,fsdp=1,model=2"], remats=("none",), periods=(), codecs=("powersgd:4", "int8"))
+    seconds = {c.strategy: c.seconds for c in result["plans"]}
+    ring = seconds["sync allreduce=ring"]
+    assert seconds["sync allreduce=ring compress=powersgd:4"] - ring > 0.1, seconds
+    assert abs(seconds["sync allreduce=ring compress=int8"] - ring) < 1e-3, seconds

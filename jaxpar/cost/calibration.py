@@ -230,7 +230,7 @@ def crosses_processes(mesh, axis: str) -> bool:
 
 
 def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: int = 8, repeats: int = 3,
-              progress=None, measure=None, flops=None) -> dict:
+              progress=None, measure=None, flops=None, codecs=None, measure_codec=None) -> dict:
     """Measures `mesh`: matmul FLOP/s, and every axis of size > 1 (see the module docstring). Returns the profile
     as a JSON-ready dict: `flops`, per axis of the mesh's roles a link (`alpha`, `bandwidth`, from the all-reduce
     fit), `memory`, `source`, and under `calibration` every measurement and fit. An axis of size 1 cannot be
@@ -252,6 +252,11 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
     launch = 0.0 if flops is not None else launch_seconds(mesh)
     if progress:
         progress(f"launching a program on {mesh.size} devices: {launch * 1e6:,.1f} us")
+    from jaxpar.cost import codec_calibration
+
+    timed_codecs = {} if flops is not None and measure_codec is None else codec_calibration.calibrate_codecs(
+        mesh, codec_calibration.CODECS if codecs is None else codecs, trips=trips, repeats=repeats,
+        measure=measure_codec, progress=progress)
     axes = {}
     for axis in measured_axes:
         axes[axis] = calibrate_axis(mesh, axis, kinds, sizes, trips, repeats, measure, progress)
@@ -298,6 +303,7 @@ def calibrate(mesh, kinds=KINDS, sizes=SIZES, matmul_sizes=MATMUL_SIZES, trips: 
     # peak = sustained: a CPU has no datasheet peak to quote; what a device sustains is what was measured
     return {"name": "calibrated", "flops": float(compute["flops"]), "sustained": float(compute["flops"]),
             "memory": float(device_memory(mesh)), "launch": launch, "links": links, "kinds": own,
+            "codecs": timed_codecs,
             **nodes, "source": source,
             MEASUREMENTS: {"mesh": dict(mesh.shape), "processes": jax.process_count(), "kinds": list(kinds),
                             "matmul": compute["per_size"], "axes": axes}}
@@ -312,10 +318,16 @@ def summary(profile: dict) -> list[str]:
     if "model" in c:
         m = c["model"]
         note = f"; {m['note']}" if m["note"] else ""
+        fit_error = (f", fit rms {m['rms_relative_error']:.1%} worst {m['worst_relative_error']:.1%}"
+                     if "rms_relative_error" in m else "")
         out.append(f"{m['name']}'s step (sync, mesh {m['mesh']}): " + ", ".join(
             f"batch {x['batch']} {x['measured'] * 1e3:,.3f} ms" for x in m["points"]) +
             f" -> utilisation {m['utilisation']:.3g} of the matmul rate, fixed cost {m['fixed'] * 1e6:,.1f} us per "
-            f"step{note}")
+            f"step{fit_error}{note}")
+    for name, timed in profile.get("codecs", {}).items():
+        per = timed["seconds_per_element"] * 1e9
+        out.append(f"codec {name} (N={timed['replicas']}): {per:.3f} ns per gradient element encoded + decoded "
+                   f"({per / timed['flops_per_element']:.3f} ns per FLOP it counts)")
     for axis, kinds in c["axes"].items():
         where = "between processes" if kinds["crosses_processes"] else "within a process"
         out.append(f"{axis} (groups of {kinds['group']}, {where}):")

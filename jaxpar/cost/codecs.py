@@ -3,8 +3,11 @@ the data link, its own compute, and the theory `--explain` states for it.
 
 - Bytes: `CompressedCommunicator.traffic` (the codec's payload per collective, sent by the chosen algorithm).
 - Seconds of the exchange (the plan advisor, which does not compile codecs): per collective, steps x alpha +
-  bytes sent / bandwidth on the data link, as `jaxpar.cost.plan` prices an uncompressed hand-written all-reduce.
-- Compute: the codec's `flops(shapes, n)` (elementwise encode / decode, PowerSGD's matmuls 6 n m R and its
+  bytes sent / bandwidth on the data link of that collective's kind (`link_kind`: a hand-written algorithm's
+  collectives are ppermutes), as `jaxpar.cost.plan` prices an uncompressed hand-written all-reduce.
+- Compute: measured where the profile calibrated the codec (`Profile.codecs`, seconds per gradient element with
+  every device busy, `python -m jaxpar.calibrate`; `jaxpar.cost.codec_calibration`); else the codec's
+  `flops(shapes, n)` (elementwise encode / decode, PowerSGD's matmuls 6 n m R and its
   orthogonalisation about 4 n R^2 per matrix) at the profile's sustained FLOP/s. A compiled step's FLOPs already
   hold what XLA counts of the codec (its elementwise work and matmuls), so `compiled_step_cost` adds only what XLA
   does not count: the QR, a LAPACK call on CPU.
@@ -40,13 +43,66 @@ def gradient_shapes(trainer) -> list[tuple]:
     return out
 
 
-def exchange_seconds(communicator, shapes, n: int, link) -> float:
-    """Textbook seconds of the codec's exchange over `n` replicas on `link`: per collective, steps x alpha + bytes
-    the busiest device sends / bandwidth."""
+def link_kind(algorithm: str, collective: str, codec) -> str:
+    """The collective kind whose calibrated link (`Profile.kinds`) carries a `traffic` entry: every collective of
+    the hand-written algorithms (ring, torus2d, ps) is a ppermute; fp16's scales are a native pmax (an all-reduce);
+    under psum, a 16-bit sum is an all-to-all + all-gather (`collectives._native_sum_16`), the rest native."""
+    if collective.startswith("scales"):
+        return "all-reduce"
+    if algorithm != "psum":
+        return "collective-permute"
+    if collective == "all-gather":
+        return "all-gather"
+    return "all-to-all" if getattr(codec, "dtype", None) is not None else "all-reduce"
+
+
+def exchange_seconds(communicator, shapes, n: int, profile, axes) -> float:
+    """Textbook seconds of the codec's exchange over `n` replicas on `profile`'s links of mesh `axes`: per
+    collective, steps x alpha + bytes the busiest device sends / bandwidth, each on its own kind's link
+    (`link_kind`)."""
     if n <= 1:
         return 0.0
-    return sum(t["steps"] * link.alpha + t["bytes_sent_per_device"] / link.bandwidth
-               for t in communicator.traffic(shapes, n))
+    codec = codec_of(communicator)
+    total = 0.0
+    for t in communicator.traffic(shapes, n):
+        link = profile.link(axes, link_kind(communicator.name, t["collective"], codec))
+        steps = t["steps"]
+        if t["collective"] == "all-gather" and communicator.name != "psum":
+            steps = gather_steps(communicator, n) * gathered_arrays(codec)
+        total += steps * link.alpha + t["bytes_sent_per_device"] / link.bandwidth
+    return total
+
+
+def gathered_arrays(codec) -> int:
+    """Arrays a codec's all-gather gathers, each its own chain of ppermutes: int8's codes and its scales."""
+    from jaxpar.parallel.compression import Int8
+
+    return 2 if isinstance(codec, Int8) else 1
+
+
+def gather_steps(communicator, n: int) -> int:
+    """Sequential ppermutes of one array's hand-written all-gather (`collectives._gather_leaf`): ring N-1, torus2d
+    (X-1) + (Y-1), ps 2(N-1) (every worker to the root, then the root to every worker, one at a time). Measured:
+    the compiled int8 step on data=4 with ps has 12 permutes over data (2 arrays x 2 x 3), where `traffic` says 3."""
+    from jaxpar.parallel.collectives import torus_shape
+
+    if communicator.name == "ps":
+        return 2 * (n - 1)
+    if communicator.name == "torus2d":
+        x, y = torus_shape(n, communicator.torus_x)
+        return (x - 1) + (y - 1)
+    return n - 1
+
+
+def compute_seconds(codec, shapes, n: int, profile) -> float:
+    """Seconds of the codec's own compute per device per step. Where the profile calibrated this codec
+    (`Profile.codecs[name]`: seconds per gradient element measured with every device busy, and the codec's FLOPs
+    per element in that measurement), its FLOPs at the rate measured for it (so int8's decoding of N replicas'
+    codes and PowerSGD's rank and shapes still scale by the FLOP count); else its FLOPs at the sustained FLOP/s."""
+    measured = (getattr(profile, "codecs", None) or {}).get(codec.name)
+    if not measured:
+        return flops(codec, shapes, n) / profile.compute_flops
+    return flops(codec, shapes, n) * measured["seconds_per_element"] / measured["flops_per_element"]
 
 
 def flops(codec, shapes, n: int) -> float:

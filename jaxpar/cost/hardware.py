@@ -66,6 +66,9 @@ class Profile:
     # on XLA:CPU a collective-permute costs several times an all-reduce's latency); empty: `links` for every kind
     kinds: dict = field(default_factory=dict, hash=False)
     model: str | None = None  # the model whose training step gave `sustained` and `launch` (None: a matmul loop)
+    # gradient codec name -> {"seconds_per_element", "flops_per_element", "replicas"}: its encode + decode measured
+    # on this machine with every device busy (jaxpar.cost.codec_calibration); empty: codecs priced by FLOPs
+    codecs: dict = field(default_factory=dict, hash=False)
 
     @property
     def compute_flops(self) -> float:
@@ -93,6 +96,8 @@ class Profile:
             parts.append(f"sustained and launch measured on {self.model}'s training step")
         if self.kinds:
             parts.append(f"own links for {', '.join(sorted(self.kinds))}")
+        if self.codecs:
+            parts.append(f"codec compute measured for {', '.join(sorted(self.codecs))}")
         inside = " inside a node" if self.devices_per_node else ""
         for axis in mesh_lib.AXES:
             if axis in self.links:

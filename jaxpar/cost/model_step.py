@@ -7,16 +7,19 @@ the optimizer and the guard, each a thunk on every device) and a transformer's s
 matmul rate (docs/cost-model.md, validated on this machine). Both depend on the model, so the model is measured.
 
 What is timed: sync SGD with the compiler's all-reduce on one mesh (the reference; default every device on data),
-at two global batches, B and k x B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
-Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating the two, run with at most two in flight (as
-`fit` runs them); the median round gives seconds per step.
+at global batches B, 2B, 4B, 8B and 16B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
+Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating them, run with at most two in flight (as
+`fit` runs them); the fastest round gives seconds per step (the load of other work is noise, as in the links'
+calibration).
 
 The fit. With P the projected compute (FLOPs per device / the matmul rate) and C the projected communication of
 the compiled step (priced on the calibrated links), a step is taken to cost
 
     t = fixed + P / u + C
 
-so the two batches give 1/u = ((t2 - C2) - (t1 - C1)) / (P2 - P1) and fixed = t1 - C1 - P1 / u. 1/u below 1 (a step
+and 1/u is the slope of the least-squares line of t - C against P over the batches, fixed its mean rest
+(mean of t - C - P / u); the fit's relative RMS and worst residual are reported. With two batches that is
+1/u = ((t2 - C2) - (t1 - C1)) / (P2 - P1): a noisy pair swung u from 0.43 to 1.0. 1/u below 1 (a step
 faster than the matmul loop) or not a number is noise: u = 1 then, and fixed = the mean of t - C - P. A negative
 fixed is taken as 0 (said in the note). The profile then prices compute at u x the matmul rate (`sustained`) and
 the fixed cost as every step's `launch`, and names the model (`model`): it projects that model, not another.
@@ -28,14 +31,18 @@ import statistics
 import time
 from typing import Callable
 
-BATCH_FACTORS = (1, 4)  # the reference's two global batches, in multiples of B
+# the reference's global batches, in multiples of B: a least-squares line through five sizes over a 16x range, not
+# two points 4x apart (two calibrations in a row with (1, 4) gave the MLP utilisation 0.425 and 1.0 on this machine:
+# its compute at batch 4B is below the noise of its fixed cost; docs/cost-model.md)
+BATCH_FACTORS = (1, 2, 4, 8, 16)
 STEPS, ROUNDS, WARMUP = 20, 5, 3
 
 
 def fit_step(points) -> dict:
     """`points`: [(P, C, t)] at two or more batches (projected compute, projected communication, measured seconds
-    per step). Returns {"utilisation": u, "fixed": seconds, "note": ...} (the module docstring's fit; with more
-    than two points, the least-squares line of t - C against P)."""
+    per step). Returns {"utilisation": u, "fixed": seconds, "note": ..., "rms_relative_error",
+    "worst_relative_error"} (the module docstring's fit: the least-squares line of t - C against P; the errors are
+    the fitted step times' against the measured, before a negative fixed cost is taken as 0)."""
     import numpy as np
 
     p = np.array([x[0] for x in points], float)
@@ -50,10 +57,14 @@ def fit_step(points) -> dict:
     else:
         inverse = slope
         fixed = float(np.mean(rest - p * inverse))
+    measured = np.array([x[2] for x in points], float)
+    relative = (fixed + p * inverse + (measured - rest) - measured) / measured
+    errors = {"rms_relative_error": float(np.sqrt(np.mean(relative ** 2))),
+              "worst_relative_error": float(np.max(np.abs(relative)))}
     if fixed < 0:
         note = (note + "; " if note else "") + f"fixed cost came out {fixed * 1e6:.1f} us: taken as 0"
         fixed = 0.0
-    return {"utilisation": 1.0 / inverse, "fixed": fixed, "note": note}
+    return {"utilisation": 1.0 / inverse, "fixed": fixed, "note": note, **errors}
 
 
 def runner(trainer, batch) -> Callable[[int], None]:
@@ -77,9 +88,10 @@ def runner(trainer, batch) -> Callable[[int], None]:
     return run
 
 
-def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMUP) -> list[float]:
+def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMUP,
+                        statistic: Callable = statistics.median) -> list[float]:
     """Seconds per step of each `runner` in `runs`: `warmup` steps each, then `rounds` rounds of `steps` steps that
-    alternate the runners (so the machine's noise hits them alike); the median round of each."""
+    alternate the runners (so the machine's noise hits them alike); the `statistic` (median) round of each."""
     for run in runs:
         run(warmup)
     times: list[list[float]] = [[] for _ in runs]
@@ -88,7 +100,7 @@ def alternating_seconds(runs: list, steps: int, rounds: int, warmup: int = WARMU
             started = time.perf_counter()
             run(steps)
             times[i].append((time.perf_counter() - started) / steps)
-    return [statistics.median(t) for t in times]
+    return [statistic(t) for t in times]
 
 
 def time_steps(trainer, batch, steps: int = STEPS, rounds: int = ROUNDS, warmup: int = WARMUP) -> float:
@@ -120,8 +132,11 @@ def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size:
         compute, comm = projected_parts(trainer, batch, profile.launch)
         runs.append((trainer, batch))
         points.append({"batch": factor * batch_size, "compute": compute, "communication": comm})
+    # the fastest round, as the links' calibration keeps the fastest call: other sessions' load is noise, never the
+    # step's own cost (two calibrations in a row with the median: fixed cost 1,892 and 1,114 us; docs/cost-model.md)
     measured = ([timer(trainer, batch) for trainer, batch in runs] if timer else
-                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], steps, rounds))
+                alternating_seconds([runner(trainer, batch) for trainer, batch in runs], steps, rounds,
+                                    statistic=min))
     for point, seconds in zip(points, measured):
         point["measured"] = seconds
         if progress:

@@ -14,8 +14,10 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   per H (`Strategy.project`). Their memory is the compiled step's with the train state swapped for the
   strategy's own (`Trainer.state_bytes_per_device`, from shapes only). Sync with an explicit allreduce and a codec
   (`codecs`, default bf16, int8, powersgd:4) replaces it by the codec's exchange (its payload's textbook traffic)
-  plus the codec's compute at the sustained FLOP/s, and adds its error-feedback residuals to the memory
-  (`jaxpar.cost.codecs`); a codec changes the math, so its steps to target come from `steps_ratio` under its
+  on each collective kind's own link, plus the codec's compute (calibrated, else at the sustained FLOP/s) and the
+  loss's own all-reduce, and adds its error-feedback residuals to the memory (`jaxpar.cost.codecs`). A codec on
+  whole arrays (PowerSGD) on a mesh whose replica spans devices is compiled once per mesh: the within-replica
+  collectives its step adds (the compiler resharding its matmuls and QR) are added too (`_resharding_seconds`); a codec changes the math, so its steps to target come from `steps_ratio` under its
   label or "sync compress=CODEC".
 - Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
   no remat are applied to every mesh (an estimate, said in the output).
@@ -119,16 +121,40 @@ def _allreduce_seconds(algorithm: str, replicas: int, gradient_bytes: int, profi
 
 def _codec_seconds(strategy, replicas: int, params: list[dict], profile) -> tuple[float, float, int]:
     """(seconds of the compressed exchange on the data link, seconds of the codec's compute, bytes of its state per
-    device) for `params` (the plan's parameters: whole shapes and bytes per device; `jaxpar.cost.codecs`)."""
+    device) for `params` (the plan's parameters: whole shapes and bytes per device; `jaxpar.cost.codecs`). The
+    exchange includes the explicit step's own all-reduce of its loss and metrics over data: the compiled step's
+    data collectives it replaces held them (the compiler combines them with the gradient's)."""
     from jaxpar.cost import codecs
+    from jaxpar.cost.hardware import collective_seconds
+    from jaxpar.cost.hlo import Collective
     from jaxpar.parallel import mesh as mesh_lib
 
     communicator = strategy.communicator
     codec = codecs.codec_of(communicator)
     shapes = [tuple(p["shape"]) if not communicator.per_shard else (p["bytes_per_device"] // 4,) for p in params]
     state = sum(p["bytes_per_device"] for p in params) if getattr(codec, "error_feedback", False) else 0
-    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile.link((mesh_lib.DATA,)))
-    return wire, codecs.flops(codec, shapes, replicas) / profile.compute_flops, state
+    axes = (mesh_lib.DATA,)
+    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile, axes)
+    wire += collective_seconds(Collective("all-reduce", 4, replicas, axes), profile)  # the loss mean
+    return wire, codecs.compute_seconds(codec, shapes, replicas, profile), state
+
+
+def _resharding_seconds(trainer, batch, sync_entry) -> float:
+    """Seconds of the within-replica collectives a whole-array codec's step adds to the sync step's (`sync_entry`,
+    the mesh's explain entry): PowerSGD's matmuls and QR on arrays split over fsdp / model make the compiler
+    reshard them, a collective per matrix and round. Measured: on data=2,model=4 the MLP's PowerSGD step has 19
+    permutes, 21 all-gathers and 4 all-reduces over model that its sync step does not, and the advisor projected
+    1.9-2.5 ms for a step measured at 7.2-7.4 ms (docs/cost-model.md). `trainer`: that codec's Sync on the mesh,
+    compiled here (once per mesh and codec: the algorithm over data does not change them)."""
+    from jaxpar.cost.explain import explain
+    from jaxpar.parallel import mesh as mesh_lib
+
+    def within(entry) -> float:
+        return sum(c.get("seconds", 0.0) for c in entry["communication"]
+                   if mesh_lib.DATA not in c["axes"].split("+"))
+
+    entry = next(iter(explain(trainer, batch)["variants"].values()))
+    return max(within(entry) - within(sync_entry), 0.0)
 
 
 def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
@@ -206,6 +232,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
     steps_ratio = dict(steps_ratio or {})
     strategies = _strategies(periods, codecs)
     plans, refused, ratios, remat_mesh, budget = [], {}, None, None, None
+    reshards = {}  # (mesh, codec): seconds of the within-replica collectives a whole-array codec adds
     specs = meshes or mesh_specs(devices, stages)
     built = _compile_meshes(specs, lambda spec: Trainer(model, loss_fn, optimizer, make_mesh(spec, devices=pool),
                                                         rules=rules, hardware=profile), batch, workers)
@@ -248,6 +275,13 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
                     continue
                 wire, codec_compute, codec_state = _codec_seconds(strategy, replicas, report["plan"]["parameters"],
                                                                   profile)
+                if not strategy.communicator.per_shard and mesh.size > replicas:  # a replica spans devices
+                    key = (spec, how[2])
+                    if key not in reshards:
+                        reshards[key] = _resharding_seconds(
+                            Trainer(model, loss_fn, optimizer, mesh, rules=rules, strategy=strategy,
+                                    hardware=profile), batch, entry)
+                    wire += reshards[key]
                 seconds = compute + comm - exchange + wire + codec_compute
             elif how[0] == "period":
                 if replicas <= 1:

@@ -6,7 +6,9 @@ file `--hardware PATH.json` loads (what `python -m jaxpar.calibrate` writes).
      "devices_per_node": 8, "inter_node": {"alpha": 1e-5, "bandwidth": 25e9}, "nics_per_node": 8,
      "allreduce": "ring", "overlap": false, "bucket": 25e6, "wire": "float32", "source": "...",
      "launch": 5.5e-5, "kinds": {"collective-permute": {"data": {"alpha": 1.5e-4, "bandwidth": 1e9}}},
-     "model": "mlp"}                              (a kind's own links; the model sustained and launch came from)
+     "model": "mlp",                              (a kind's own links; the model sustained and launch came from)
+     "codecs": {"int8": {"seconds_per_element": 2e-9, "flops_per_element": 34, "replicas": 8}}}
+                                                  (a codec's compute measured here, jaxpar.cost.codec_calibration)
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ def profile_from_dict(data: dict):
                                           set(v) - set(mesh_lib.AXES) for k, v in kinds.items()):
         raise ValueError(f"'kinds' must map collective kinds ({', '.join(COLLECTIVE_KINDS)}) to links per mesh axis")
     fields["kinds"] = {k: {a: link(x, f"kinds.{k}.{a}") for a, x in v.items()} for k, v in kinds.items()}
+    codecs = data.get("codecs") or {}
+    fields_of_codec = {"seconds_per_element", "flops_per_element", "replicas"}
+    if not isinstance(codecs, dict) or any(not isinstance(v, dict) or set(v) != fields_of_codec
+                                           for v in codecs.values()):
+        raise ValueError(f"'codecs' must map codec names to {{{', '.join(sorted(fields_of_codec))}}}")
+    fields["codecs"] = {k: {"seconds_per_element": float(v["seconds_per_element"]),
+                            "flops_per_element": float(v["flops_per_element"]), "replicas": v["replicas"]}
+                        for k, v in codecs.items()}
     if data.get("inter_node") is not None:
         fields["inter_node"] = link(data["inter_node"], "inter_node")
     return check_profile(Profile(**fields))
@@ -87,6 +97,11 @@ def check_profile(profile):
         raise ValueError(f"overlap must be true or false, got {profile.overlap!r}")
     if profile.model is not None and not isinstance(profile.model, str):
         raise ValueError(f"model must be a model's name or null, got {profile.model!r}")
+    for name, c in profile.codecs.items():
+        positive(c["seconds_per_element"], f"codecs.{name}.seconds_per_element")
+        positive(c["flops_per_element"], f"codecs.{name}.flops_per_element")
+        if isinstance(c["replicas"], bool) or not isinstance(c["replicas"], int) or c["replicas"] < 1:
+            raise ValueError(f"codecs.{name}.replicas must be an integer >= 1, got {c['replicas']!r}")
     positive(profile.bucket, "bucket")
     positive(profile.launch, "launch", zero=True)
     return profile
