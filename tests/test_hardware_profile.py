@@ -93,6 +93,14 @@ def test_torus2d_aligns_with_nodes_and_prices_as_the_hierarchical_allreduce():
     assert "X = 4, the replicas on one node of" in line and "4 devices per node" in line
 
 
+
+def test_a_compressed_torus2d_keeps_its_codec_when_aligned_with_nodes():
+    hardware = "flops=1e12,alpha=1e-6,bandwidth=100e9,devices_per_node=4,inter.alpha=1e-5,inter.bandwidth=10e9"
+    trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync("torus2d", compress="int8"), hardware=hardware)
+    comm = trainer.strategy.communicator
+    assert trainer.strategy.torus_x == 4 and comm.torus_x == 4
+    assert comm.codec.name == "int8" and not comm.native  # the aligned grid used to drop the codec
+
 # --- sustained FLOP/s, overlap, wire dtype ---------------------------------------------------------------------------
 
 def test_compute_is_priced_at_sustained_flops_and_the_builtin_profiles_state_both():

@@ -13,6 +13,7 @@ import copy
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import communicator
+from jaxpar.parallel.compression import compressed
 
 TORUS = "torus2d"
 
@@ -38,7 +39,8 @@ def aligned(strategy, mesh, profile):
     if comm is None or comm.name != TORUS or comm.torus_x is not None or x is None:
         return strategy
     strategy = copy.copy(strategy)
-    strategy.communicator = communicator(TORUS, x)
+    codec = getattr(comm, "codec", None)  # a compressed torus2d keeps its codec on the aligned grid
+    strategy.communicator = communicator(TORUS, x) if codec is None else compressed(communicator(TORUS, x), codec)
     strategy.node_aligned = True
     return strategy
 
