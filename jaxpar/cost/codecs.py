@@ -176,3 +176,63 @@ def report(trainer, float32_bytes: float) -> dict | None:
             "float32_bytes": float32_bytes, "ratio": sent / float32_bytes if float32_bytes else None,
             "theory": theory_text(codec, shapes, n), "flops": {k: int(v) for k, v in codec.flops(shapes, n).items()},
             "elements": sum(math.prod(s) for s in shapes)}
+
+
+# --- the gradient's fsdp leg (`jaxpar.parallel.fsdp_reduce`): its theory, compute and seconds ---------------------
+
+# the leg's codec FLOPs per element of each device's full-size partial gradient: bf16 cast, decode and the float32
+# sum (3); fp16 also |x|, max and the scaling (5); int8 |x|, max, divide, round, clip (2), cast (7) to encode, then
+# decode, scale and sum (3). float32 (PowerSGD's leg): a plain reduce-scatter, no codec work.
+FSDP_LEG_FLOPS_PER_ELEMENT = {"float32": 0, "bf16": 3, "fp16": 5, "int8": 10}
+
+
+def fsdp_leg(trainer, variant: str, batch=None, strategy=None) -> dict | None:
+    """The compressed fsdp leg of `variant`'s step on `trainer`'s mesh (`strategy`: default the trainer's; the plan
+    advisor asks for a codec the trainer does not run), or None where the leg is the partitioner's float32
+    reduction: no codec averaging that variant's gradient, fsdp = 1, a pipeline, model state other than RNG state,
+    or rows that do not split over fsdp (`jaxpar.strategies.replicas.fsdp_leg_codec`). `fsdp_reduce.leg_traffic`
+    plus the codec's "name" and its "flops" per device."""
+    from jaxpar.parallel import fsdp_reduce
+    from jaxpar.parallel import mesh as mesh_lib
+    from jaxpar.strategies import replicas
+
+    strategy = strategy or trainer.strategy
+    if mesh_lib.size(trainer.mesh, mesh_lib.FSDP) <= 1:
+        return None
+    state = trainer.abstract_state()
+    n = max(1, mesh_lib.replica_count(trainer.mesh))
+    rows = {} if batch is None else {k: jax.ShapeDtypeStruct((v.shape[0] // n,) + tuple(v.shape[1:]), v.dtype)
+                                     for k, v in batch.items()}
+    codec = replicas.fsdp_leg_codec(strategy, trainer.ctx, variant, state.model_state, rows)
+    if codec is None:
+        return None
+    out = fsdp_reduce.leg_traffic(codec, trainer.state_shardings.params, state.params)
+    out.update(name=codec.name, flops=FSDP_LEG_FLOPS_PER_ELEMENT[out["wire"]] * out["elements"])
+    return out
+
+
+def fsdp_leg_seconds(leg: dict, profile) -> float:
+    """Textbook seconds of the leg on the profile's fsdp link (the collective kind's own link where the profile has
+    `kinds`): steps x alpha + bytes sent / bandwidth."""
+    from jaxpar.parallel import mesh as mesh_lib
+
+    link = profile.link((mesh_lib.FSDP,), leg["kind"])
+    return leg["steps"] * link.alpha + leg["bytes_sent_per_device"] / link.bandwidth
+
+
+def fsdp_leg_text(leg: dict) -> str:
+    """`--explain`'s words for the leg."""
+    how = {"float32": "a float32 reduce-scatter (PowerSGD's leg is uncompressed)",
+           "bf16": "an all-to-all of bf16 blocks summed in float32: 1/2 of float32",
+           "fp16": "an all-to-all of fp16 blocks (a power-of-two scale per leaf, one pmax) summed in float32: 1/2 of "
+                   "float32",
+           "int8": f"an all-to-all of int8 codes + a float32 scale per {_int8_chunk()} elements, summed in float32 "
+                   f"(ZeRO++ qgZ): (1 + 4/{_int8_chunk()}) / 4 of float32"}[leg["wire"]]
+    ratio = leg["bytes_sent_per_device"] / leg["float32_bytes"] if leg["float32_bytes"] else 0.0
+    return (f"gradient leg compressed by {leg['name']}: {how}, no error feedback; {leg['bytes_sent_per_device']:,.0f} "
+            f"bytes in {leg['steps']} steps against float32's {leg['float32_bytes']:,.0f} ({ratio:.3f})")
+
+
+def _int8_chunk() -> int:
+    from jaxpar.parallel.compression import INT8_CHUNK
+    return INT8_CHUNK

@@ -110,9 +110,10 @@ _ALGORITHM_LABELS = {"psum": "bandwidth-optimal all-reduce, 2(N-1)/N x B", "ring
                      "ps": "parameter server: the root receives and sends (N-1) x B"}
 
 
-def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
+def theory(trainer, variant: str, blocks: int | None = None, batch=None) -> list[dict]:
     """What the strategy and mesh should send per device in one step of `variant`, line by line: the strategy's
-    exchanges over the replica axis (`strategy.theory`), ZeRO-3 over fsdp, tensor parallelism over model."""
+    exchanges over the replica axis (`strategy.theory`), ZeRO-3 over fsdp (its gradient third the codec's fsdp leg
+    where one applies to global batches shaped like `batch`: `codecs.fsdp_leg`), tensor parallelism over model."""
     mesh, strategy = trainer.mesh, trainer.strategy
     n = mesh_lib.replica_count(mesh)
     communicator = strategy.communicator
@@ -141,9 +142,16 @@ def theory(trainer, variant: str, blocks: int | None = None) -> list[dict]:
     f = mesh_lib.size(mesh, FSDP)
     if f > 1:
         pf = _fsdp_group_bytes(trainer)
-        lines.append({"axis": FSDP, "what": f"ZeRO-3 over fsdp={f}: all-gather parameters (forward, backward) and "
-                      f"reduce-scatter gradients, 3 x (F-1)/F x P_f (P_f = {pf:,} bytes)",
-                      "bytes_sent_per_device": 3 * (f - 1) / f * pf, "steps": 3 * (f - 1)})
+        leg = codecs.fsdp_leg(trainer, variant, batch)
+        if leg is None:
+            lines.append({"axis": FSDP, "what": f"ZeRO-3 over fsdp={f}: all-gather parameters (forward, backward) and "
+                          f"reduce-scatter gradients, 3 x (F-1)/F x P_f (P_f = {pf:,} bytes)",
+                          "bytes_sent_per_device": 3 * (f - 1) / f * pf, "steps": 3 * (f - 1)})
+        else:  # the gradient's third is the codec's leg (jaxpar.parallel.fsdp_reduce), written by jaxpar
+            lines.append({"axis": FSDP, "what": f"ZeRO-3 over fsdp={f}: all-gather parameters (forward, backward), "
+                          f"2 x (F-1)/F x P_f (P_f = {pf:,} bytes); {codecs.fsdp_leg_text(leg)}",
+                          "bytes_sent_per_device": 2 * (f - 1) / f * pf + leg["bytes_sent_per_device"],
+                          "steps": 2 * (f - 1) + leg["steps"], "fsdp_leg": leg})
     m = mesh_lib.size(mesh, MODEL)
     if m > 1:
         line = {"axis": MODEL, "what": f"tensor parallel over model={m}: activation all-reduces (Megatron: 2 in the "
@@ -261,7 +269,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
                  "unknown_loops": unknown_loops(ops), "pipeline": pipelines.report(trainer, batch, ops),
                  "communication": _communication(ops, variant, trainer, profile),
                  "busiest_sent": busiest_sent(ops, mesh.size),
-                 "theory": theory(trainer, variant, blocks)}
+                 "theory": theory(trainer, variant, blocks, batch)}
         entry["unexpected"] = sum(c["unexpected"] for c in entry["communication"])
         if tokens and flops:
             entry["flops_per_token"] = flops * mesh.size / tokens
@@ -379,6 +387,9 @@ def format_explain(report: dict) -> str:
                 work = t["codec"]["flops"]
                 lines.append(f"  codec {t['codec']['name']} compute: {sum(work.values()):,} FLOPs per device per "
                              f"step (" + ", ".join(f"{kind} {count:,}" for kind, count in work.items()) + ")")
+            if t.get("fsdp_leg", {}).get("flops"):
+                lines.append(f"  codec {t['fsdp_leg']['name']} compute on the fsdp leg: {t['fsdp_leg']['flops']:,} "
+                             f"FLOPs per device per step (encode, decode and the float32 sum)")
         if v.get("unknown_loops"):
             lines.append(f"  while loops of unknown trip count, their collectives counted once per step: "
                          f"{', '.join(v['unknown_loops'])}")

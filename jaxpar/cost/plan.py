@@ -17,8 +17,11 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   on each collective kind's own link, plus the codec's compute (calibrated, else at the sustained FLOP/s) and the
   loss's own all-reduce, and adds its error-feedback residuals to the memory (`jaxpar.cost.codecs`). A codec on
   whole arrays (PowerSGD) on a mesh whose replica spans devices is compiled once per mesh: the within-replica
-  collectives its step adds (the compiler resharding its matmuls and QR) are added too (`_resharding_seconds`); a codec changes the math, so its steps to target come from `steps_ratio` under its
-  label or "sync compress=CODEC".
+  collectives its step adds (the compiler resharding its matmuls and QR) are added too (`_resharding_seconds`). A
+  codec changes the math, so its steps to target come from `steps_ratio` under its label or "sync compress=CODEC".
+  Where the codec also compresses the gradient's fsdp leg (fsdp > 1, rows split over fsdp by hand:
+  `codecs.fsdp_leg`), the compiled step's gradient reduction over fsdp (its all-reduces and reduce-scatters over
+  exactly fsdp) is replaced by the leg's textbook seconds on the fsdp link plus its compute.
 - Remat policies are compiled on one mesh only (the first that builds): their ratios of temporaries and FLOPs to
   no remat are applied to every mesh (an estimate, said in the output).
 - Time to a target loss: a strategy that averages less often may need more steps for the same loss. Those step
@@ -157,6 +160,20 @@ def _resharding_seconds(trainer, batch, sync_entry) -> float:
     return max(within(entry) - within(sync_entry), 0.0)
 
 
+def _fsdp_leg_seconds(trainer, variant, entry, batch, strategy, profile) -> tuple[float, float]:
+    """(seconds the compressed fsdp leg saves against the compiled step's float32 reduction over fsdp, seconds of the
+    leg's codec compute) for `strategy` on `trainer`'s mesh; (0, 0) where no codec compresses that leg."""
+    from jaxpar.cost import codecs
+    from jaxpar.parallel import mesh as mesh_lib
+
+    leg = codecs.fsdp_leg(trainer, variant, batch, strategy)
+    if leg is None:
+        return 0.0, 0.0
+    compiled = sum(c.get("seconds", 0.0) for c in entry["communication"]
+                   if c["axes"] == mesh_lib.FSDP and c["kind"] in ("all-reduce", "reduce-scatter"))
+    return compiled - codecs.fsdp_leg_seconds(leg, profile), leg["flops"] / profile.compute_flops
+
+
 def _remat_ratios(trainer, batch, variant, remats, base) -> dict:
     """Per remat policy: (temporaries ratio, FLOPs ratio) to no remat (`base`: the trainer's own step's
     (temporaries, FLOPs per device), already compiled), each other policy compiled on `trainer`'s mesh."""
@@ -282,7 +299,9 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
                             Trainer(model, loss_fn, optimizer, mesh, rules=rules, strategy=strategy,
                                     hardware=profile), batch, entry)
                     wire += reshards[key]
-                seconds = compute + comm - exchange + wire + codec_compute
+                saved, leg_compute = _fsdp_leg_seconds(trainer, variant, entry, batch, strategy, profile)
+                codec_compute += leg_compute
+                seconds = compute + comm - exchange - saved + wire + codec_compute
             elif how[0] == "period":
                 if replicas <= 1:
                     continue

@@ -194,12 +194,41 @@ def wire_bytes(codec, block_shapes, whole_shapes, f: int) -> float:
     return total + (f - 1) * chunks * (INT8_CHUNK + 4)
 
 
-def step_wire_bytes(codec, param_shardings, abstract_params) -> float:
-    """`wire_bytes` of a trainer's parameters: each device's fsdp shards and its parts of the leaves whole over
-    fsdp (their shards over the other axes)."""
+def _split(param_shardings, abstract_params):
+    """(each device's fsdp shards, its parts of the leaves whole over fsdp, F)."""
     blocks, whole, f = [], [], 1
     for s, x in zip(jax.tree.leaves(param_shardings, is_leaf=lambda v: hasattr(v, "spec")),
                     jax.tree.leaves(abstract_params)):
         f = mesh_lib.size(s.mesh, mesh_lib.FSDP_AXIS)
         (blocks if shd.fsdp_split(s) else whole).append(s.shard_shape(x.shape))
-    return wire_bytes(codec, blocks, whole, f)
+    return blocks, whole, f
+
+
+def step_wire_bytes(codec, param_shardings, abstract_params) -> float:
+    """`wire_bytes` of a trainer's parameters: each device's fsdp shards and its parts of the leaves whole over
+    fsdp (their shards over the other axes)."""
+    return wire_bytes(codec, *_split(param_shardings, abstract_params))
+
+
+# the collective that carries the split parameters' blocks, per wire format
+LEG_KIND = {FLOAT32: "reduce-scatter", "bf16": "all-to-all", "fp16": "all-to-all", "int8": "all-to-all"}
+
+
+def leg_traffic(codec, param_shardings, abstract_params) -> dict:
+    """The fsdp leg's payload per device per step, as theory states it (the data-leg codecs' `payload`):
+    {"wire": its format, "kind": the collective of the split blocks, "bytes_sent_per_device" (`wire_bytes`),
+    "float32_bytes" (the same leg uncompressed), "steps" (F-1 for the blocks' one collective; the leaves whole over
+    fsdp add their all-reduce's: 2(F-1) in float32, the codec's own otherwise; fp16's pmax 2(F-1)),
+    "elements": of the full-size partial gradient each device reduces, F x its blocks}."""
+    blocks, whole, f = _split(param_shardings, abstract_params)
+    wire = leg(codec)
+    steps = (f - 1) if blocks else 0
+    if blocks and wire == "fp16":
+        steps += 2 * (f - 1)
+    if whole:
+        steps += (2 * (f - 1) if wire == FLOAT32 else
+                  sum(t["steps"] for t in CompressedCommunicator(communicator("psum"), codec).traffic(whole, f)))
+    return {"wire": wire, "kind": LEG_KIND[wire], "fsdp": f, "steps": steps,
+            "bytes_sent_per_device": wire_bytes(codec, blocks, whole, f),
+            "float32_bytes": wire_bytes(None, blocks, whole, f),
+            "elements": f * sum(math.prod(s) for s in blocks), "blocks": len(blocks)}

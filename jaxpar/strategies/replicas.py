@@ -263,6 +263,15 @@ def _fsdp_codec(ctx):
     return getattr(ctx.communicator, "codec", None)
 
 
+def fsdp_leg_codec(strategy, ctx, variant: str, model_state, replica_batch):
+    """The codec that compresses the gradient's fsdp leg in `variant`'s step (`jaxpar.parallel.fsdp_reduce`), or
+    None: the strategy averages that variant's gradient with its codec (`strategy.fsdp_leg_codec`, Sync's) and the
+    replica's rows are split over fsdp by hand (`_rows_split_by_hand`). `replica_batch`: one replica's slice (only
+    its shapes are read). What `--explain`'s fsdp theory and the plan advisor price."""
+    codec = getattr(strategy, "fsdp_leg_codec", lambda variant: None)(variant)
+    return codec if codec is not None and _rows_split_by_hand(ctx, model_state, replica_batch, codec) else None
+
+
 def _rows_split_by_hand(ctx, model_state, batch, codec=None) -> bool:
     """fsdp larger than 1 and either model larger than 1 or a codec (its fsdp leg needs the unreduced gradient), no
     pipeline, each device's rows divisible into `grad_accum`

@@ -44,6 +44,11 @@ class Sync(StrategyBase):
         """Explicit allreduce: replicas compute on their own slice (shard_map), so BatchNorm statistics are local."""
         return self.communicator is not None
 
+    def fsdp_leg_codec(self, variant: str):
+        """The codec of the gradient's fsdp leg in `variant` (`jaxpar.strategies.replicas.fsdp_leg_codec`): the
+        explicit step's, which averages its gradient with the codec."""
+        return getattr(self.communicator, "codec", None)
+
     @classmethod
     def from_options(cls, options: dict, steps: int) -> "Sync":
         return cls(**cls._common(options), compress=options.get("compress"))
