@@ -224,23 +224,23 @@ def test_published_scaling_efficiencies_are_reproduced_within_10_points_where_th
     assert published.P100_SUSTAINED == pytest.approx(6 * 3.8e9 * 32 / 0.18)  # 4.05e12 FLOP/s
     for key in [("Goyal", "ResNet-50", "8 -> 256"), ("Serge", "Inception V3", "1 -> 512"),
                 ("Serge", "ResNet-101", "1 -> 512"), ("Horov", "Inception V3", "1 -> 128"),
-                ("Horov", "ResNet-101", "1 -> 128")]:
+                ("Horov", "ResNet-101", "1 -> 128"), ("Horov", "VGG-16", "1 -> 128")]:
         row = rows[key]
         assert abs(row["projected"] - row["reported"]) <= 0.10, row
         assert row["no_overlap"] < row["projected"]  # overlap is what closes the gap
     assert rows["Goyal", "ResNet-50", "8 -> 256"]["projected"] == pytest.approx(0.983, abs=5e-4)
-    assert rows["Serge", "Inception V3", "1 -> 512"]["projected"] == pytest.approx(0.903, abs=5e-4)
+    assert rows["Serge", "Inception V3", "1 -> 512"]["projected"] == pytest.approx(0.898, abs=5e-4)
     assert rows["Serge", "ResNet-101", "1 -> 512"]["projected"] == pytest.approx(0.934, abs=5e-4)
-    assert rows["Horov", "Inception V3", "1 -> 128"]["projected"] == pytest.approx(0.916, abs=5e-4)
+    assert rows["Horov", "Inception V3", "1 -> 128"]["projected"] == pytest.approx(0.913, abs=5e-4)
     assert rows["Horov", "ResNet-101", "1 -> 128"]["projected"] == pytest.approx(0.943, abs=5e-4)
-    # VGG-16 at 128 GPUs (79% reported, 97.1% projected) misses like at 512
-    assert not rows["Horov", "VGG-16", "1 -> 128"]["within_10_points"]
-    assert rows["Horov", "VGG-16", "1 -> 128"]["projected"] == pytest.approx(0.971, abs=5e-4)
-    # VGG-16 is not reproduced: its compute scaled from ResNet-50 by multiply-adds is too slow (docs say so)
+    # the cited single-P100 throughputs (TensorFlow benchmarks, batch 64) set those rows' compute: 64 / 154 s for VGG-16
+    assert rows["Horov", "VGG-16", "1 -> 128"]["compute_s"] == pytest.approx(64 / 154)
+    assert rows["Horov", "VGG-16", "1 -> 128"]["projected"] == pytest.approx(0.845, abs=5e-4)
+    # VGG-16 at 512 GPUs is not reproduced (82.9% against 68%): network contention beyond one NIC is not modelled
     vgg = rows["Serge", "VGG-16", "1 -> 512"]
-    assert not vgg["within_10_points"] and vgg["projected"] == pytest.approx(0.966, abs=5e-4)
+    assert not vgg["within_10_points"] and vgg["projected"] == pytest.approx(0.829, abs=5e-4)
     assert "| NO |" in published.markdown(published.table())
     case = [c for c in published.cases() if c.model == "VGG-16" and c.gpus == 512][0]
-    assert round(published.images_per_second_to_reach(case, 0.68)) == 201  # what the missing input would need
+    assert round(published.images_per_second_to_reach(case, 0.68)) == 201  # what the compute would have to be
     assert round(published.images_per_second_to_reach(case, 0.68, overlap=False)) == 83
     assert published.efficiency(case) == pytest.approx(vgg["projected"])

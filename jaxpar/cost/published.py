@@ -12,7 +12,10 @@ single P100 takes 120 ms" (ResNet-50, 32 images). With the cost model's bucket a
 step's compute) that is 180 ms for 32 images, so a P100 sustains 6 x 3.8e9 x 32 / 0.18 s = 4.05 TFLOP/s on
 ResNet-50 (6 FLOPs per multiply-add of the forward pass: forward + backward). The other models' compute is their
 published multiply-adds per image at that same sustained rate: an assumption (equal GPU efficiency across models),
-marked in the table.
+marked in the table, except where a measured single-GPU throughput of the same GPU at the same per-GPU batch is
+published: TensorFlow's benchmarks (tensorflow/docs_src/performance/benchmarks.md, May 2017, "Details for NVIDIA
+DGX-1 (NVIDIA Tesla P100)", training synthetic data, batch 64 per GPU, 1 GPU) give Inception V3 142 and VGG-16 154
+images/s, measured with tf_cnn_benchmarks, the script the Horovod paper's benchmarks ran. Those rows use it.
 """
 from __future__ import annotations
 
@@ -63,6 +66,10 @@ def horovod_profile() -> Profile:
                    inter_node=Link(10e-6, 25e9 / 8), nics_per_node=1, allreduce="ring", overlap=True, bucket=64e6)
 
 
+# images/s on one P100 (DGX-1, SXM2), batch 64, synthetic data: TensorFlow benchmarks, May 2017 (module docstring)
+TF_P100_BATCH64 = {"Inception V3": 142.0, "VGG-16": 154.0}
+
+
 class Case(NamedTuple):
     paper: str
     model: str
@@ -72,20 +79,25 @@ class Case(NamedTuple):
     reported: float  # scaling efficiency the paper reports
     profile: Profile
     compute_source: str
+    images_per_second: float | None = None  # a measured single-GPU throughput, when one is cited
 
 
 def cases() -> list[Case]:
     goyal, horovod = goyal_profile(), horovod_profile()
     measured = "from Goyal's measured 120 ms backward, 32 images"
     scaled = "scaled from ResNet-50 by multiply-adds (assumption)"
+
+    def tf(model):
+        return f"TensorFlow benchmarks: {TF_P100_BATCH64[model]:g} images/s on one P100", TF_P100_BATCH64[model]
+
     return [Case("Goyal et al. 2017", "ResNet-50", 32, 8, 256, 0.90, goyal, measured),
-            Case("Sergeev and Del Balso 2018", "Inception V3", 64, 1, 512, 0.90, horovod, scaled),
+            Case("Sergeev and Del Balso 2018", "Inception V3", 64, 1, 512, 0.90, horovod, *tf("Inception V3")),
             Case("Sergeev and Del Balso 2018", "ResNet-101", 64, 1, 512, 0.90, horovod, scaled),
-            Case("Sergeev and Del Balso 2018", "VGG-16", 64, 1, 512, 0.68, horovod, scaled),
+            Case("Sergeev and Del Balso 2018", "VGG-16", 64, 1, 512, 0.68, horovod, *tf("VGG-16")),
             # Horovod's docs/benchmarks.md: the same cluster at 32 servers (128 GPUs): 90%, 90% and 79%
-            Case("Horovod docs/benchmarks.md", "Inception V3", 64, 1, 128, 0.90, horovod, scaled),
+            Case("Horovod docs/benchmarks.md", "Inception V3", 64, 1, 128, 0.90, horovod, *tf("Inception V3")),
             Case("Horovod docs/benchmarks.md", "ResNet-101", 64, 1, 128, 0.90, horovod, scaled),
-            Case("Horovod docs/benchmarks.md", "VGG-16", 64, 1, 128, 0.79, horovod, scaled)]
+            Case("Horovod docs/benchmarks.md", "VGG-16", 64, 1, 128, 0.79, horovod, *tf("VGG-16"))]
 
 
 def _allreduce(nbytes: float, gpus: int) -> list[Collective]:
@@ -98,7 +110,10 @@ def _allreduce(nbytes: float, gpus: int) -> list[Collective]:
 def step_seconds(case: Case, gpus: int, profile: Profile | None = None) -> float:
     """Seconds of one step of `case` on `gpus` GPUs, priced by `jaxpar.cost.hardware.step_cost`."""
     profile = profile or case.profile
-    flops = 6 * MACS[case.model] * case.batch
+    if case.images_per_second:  # the measured time, as FLOPs at the P100's sustained rate (so profiles scale it)
+        flops = case.batch / case.images_per_second * P100_SUSTAINED
+    else:
+        flops = 6 * MACS[case.model] * case.batch
     cost = step_cost(flops, _allreduce(4 * PARAMETERS[case.model], gpus), profile)
     return cost.compute + cost.exposed
 
