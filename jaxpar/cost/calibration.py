@@ -315,8 +315,8 @@ def summary(profile: dict) -> list[str]:
     out = [f"sustained matmul: {profile['flops'] / 1e9:,.2f} GFLOP/s per device (median of "
            f"{', '.join(f'{n}: {f / 1e9:,.2f}' for n, f in c['matmul'].items()) or 'given'}); launching a step "
            f"{profile['launch'] * 1e6:,.1f} us"]
-    if "model" in c:
-        m = c["model"]
+    m = c.get("model")  # the model's own step, when calibrated with --model (a key, not the mesh axis)
+    if m:
         note = f"; {m['note']}" if m["note"] else ""
         fit_error = (f", fit rms {m['rms_relative_error']:.1%} worst {m['worst_relative_error']:.1%}"
                      if "rms_relative_error" in m else "")
