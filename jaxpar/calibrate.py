@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per program (the fastest is kept); with "
                         "--model, also the rounds of its reference steps (the fastest is kept)")
     parser.add_argument("--trips", type=int, default=8, help="loop trips timed per call (one trip is one op)")
+    parser.add_argument("--codecs", default=None,
+                        help="the compression codecs whose encode + decode is timed, comma-separated, or 'none' "
+                             "(default: bf16,fp16,int8,powersgd:4, the ones the plan advisor prices)")
     parser.add_argument("--model", default=None,
                         help="also time this built-in model's training step (sync, every device on data, at "
                              "--batch-size and 2, 4, 8 and 16x it, a least-squares fit): the profile then prices that model's compute at its measured "
@@ -104,6 +107,13 @@ def main(argv=None) -> int:
         return error(f"--batch-size {args.batch_size}: applies only with --model (the reference run's batch)")
     if args.batch_size is not None and args.batch_size < 1:
         return error(f"--batch-size {args.batch_size}: give an integer >= 1")
+    from jaxpar.cost.codec_calibration import CODECS
+
+    codecs = CODECS if args.codecs is None else () if args.codecs == "none" else tuple(args.codecs.split(","))
+    unknown = [c for c in codecs if c not in CODECS]
+    if unknown:
+        return error(f"--codecs {args.codecs}: {unknown[0]!r} is not a codec calibration times; give a comma-separated "
+                     f"subset of {','.join(CODECS)}, or none")
     if len(args.sizes) < 2:
         return error(f"--sizes {','.join(map(str, args.sizes))}: a line needs at least 2 message sizes")
     for flag, value in (("--repeats", args.repeats), ("--trips", args.trips)):
@@ -124,7 +134,7 @@ def main(argv=None) -> int:
         mesh = make_mesh(args.mesh if args.mesh is not None else str(len(jax.devices())))
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if distributed.is_main() else None
         profile = calibrate(mesh, sizes=args.sizes, matmul_sizes=args.matmul_sizes, trips=args.trips,
-                            repeats=args.repeats, progress=say)
+                            repeats=args.repeats, progress=say, codecs=codecs)
         if args.model is not None:
             profile = calibrate_model(profile, args.model, args.batch_size, progress=say, rounds=args.repeats)
     except JaxparError as problem:

@@ -90,6 +90,7 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     (["--sizes", "4096"], "--sizes 4096: a line needs at least 2 message sizes"),
     (["--sizes", "4096,abc"], "--sizes '4096,abc': give distinct comma-separated integers >= 64"),
     (["--repeats", "0"], "--repeats 0: give an integer >= 1"),
+    (["--codecs", "int4"], "--codecs int4: 'int4' is not a codec calibration times"),
     (["--mesh", "1"], "no axis has more than one device"),
     (["--out", "/nonexistent-folder/x.json"], "--out '/nonexistent-folder/x.json': the folder"),
 ])
@@ -110,7 +111,8 @@ def test_across_two_processes_the_axis_between_them_is_told_apart(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--devices-per-process", "4", "--", "-m",
          "jaxpar.calibrate", "--mesh", "2x4", "--out", str(out), "--sizes", "4096,2097152", "--matmul-sizes", "64",
-         "--repeats", "1", "--trips", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+         "--repeats", "1", "--trips", "2", "--codecs", "none"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     axes = json.loads(out.read_text())["calibration"]["axes"]
     assert axes["data"]["crosses_processes"] is True  # data is the outer axis: one half on each process
