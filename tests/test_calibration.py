@@ -73,7 +73,7 @@ def test_the_measurements_run_on_the_devices():
 
 def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     out = tmp_path / "machine.json"
-    code = cli.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,2097152", "--matmul-sizes", "64",
+    code = cli.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,65536", "--matmul-sizes", "64",
                      "--repeats", "1", "--trips", "2"])
     assert code == 0
     profile = json.loads(out.read_text())
@@ -110,7 +110,7 @@ def test_across_two_processes_the_axis_between_them_is_told_apart(tmp_path):
     env["PYTHONPATH"] = ROOT
     result = subprocess.run(
         [sys.executable, "-m", "jaxpar.launch", "--nproc", "2", "--devices-per-process", "4", "--", "-m",
-         "jaxpar.calibrate", "--mesh", "2x4", "--out", str(out), "--sizes", "4096,2097152", "--matmul-sizes", "64",
+         "jaxpar.calibrate", "--mesh", "2x4", "--out", str(out), "--sizes", "4096,65536", "--matmul-sizes", "64",
          "--repeats", "1", "--trips", "2", "--codecs", "none"], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
