@@ -21,6 +21,7 @@ import jax
 
 import jaxpar
 from benchmarks import common
+from jaxpar.cost import codecs
 
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:4")
 
@@ -29,11 +30,14 @@ STRATEGIES = {"sync": ("Sync", "sync"), "local_sgd": ("LocalSGD", "meet")}  # ->
 
 
 def sent_over_data(trainer, batch, variant="sync") -> float:
-    from jaxpar.cost.hlo import bytes_sent, collective_ops
+    """Bytes the busiest device sends per step in the collectives over exactly the replica axis (a permute counted
+    for its sources only, `explain.busiest_sent`: a parameter server's root sends more than its workers)."""
+    from jaxpar.cost.explain import busiest_sent
+    from jaxpar.cost.hlo import collective_ops
     from jaxpar.parallel.mesh import REPLICA_AXIS
 
     ops = collective_ops(trainer.compiled_step(variant, batch), trainer.mesh)
-    return sum(bytes_sent(op) for op in ops if op.axes == (REPLICA_AXIS,))
+    return busiest_sent([op for op in ops if op.axes == (REPLICA_AXIS,)], trainer.mesh.size).get(REPLICA_AXIS, 0.0)
 
 
 def main():
@@ -72,10 +76,8 @@ def main():
                 comm = trainer.strategy.communicator
                 stated = None
                 if codec != "none":
-                    abstract, shardings = trainer.abstract_state().params, trainer.state_shardings.params
-                    shapes = [s.shard_shape(x.shape) if comm.per_shard else x.shape for x, s in zip(
-                        jax.tree.leaves(abstract), jax.tree.leaves(shardings))]
-                    stated = comm.wire_bytes(shapes, trainer.num_replicas)
+                    stated = comm.wire_bytes(codecs.gradient_shapes(trainer), trainer.num_replicas,
+                                             codecs.gradient_splits(trainer))
                 row = {"model": args.model, "strategy": args.strategy, "mesh": spec, "allreduce": algorithm,
                        "codec": codec, "sent": sent, "stated": stated, "ratio": sent / base if base else None}
                 rows.append(row)

@@ -245,9 +245,11 @@ def step_cost(args, mesh):
         parts, batches, _ = make_task(task)
         batch = next(iter(batches(0)))
         steps = {}
-        for codec in TIME_CODECS + ("powersgd:4:noef", "int8:noef"):
+        chosen = ("none", *(c for c in args.codecs.split(",") if c != "none")) if args.codecs else (
+            TIME_CODECS + ("powersgd:4:noef", "int8:noef"))  # none: every ratio's base
+        for codec in chosen:
             trainer = common.trainer(parts, mesh, optax.adam(3e-3),
-                                     strategy=jaxpar.Sync(allreduce="psum", compress=codec))
+                                     strategy=jaxpar.Sync(allreduce=args.allreduce, compress=codec))
             holder = {"state": trainer.init(0)}
 
             def one(trainer=trainer, holder=holder):
@@ -257,7 +259,7 @@ def step_cost(args, mesh):
             steps[codec] = one
         rates = common.alternating_rates(steps, args.rounds, args.per_round)
         base = rates["none"]
-        print(f"\n{task}: steps/s on mesh {MESH} on this machine, {args.rounds} alternating rounds of "
+        print(f"\n{task}: steps/s on mesh {args.mesh} (allreduce {args.allreduce}) on this machine, {args.rounds} alternating rounds of "
               f"{args.per_round} steps; ratio = the median over rounds of (codec / none in that round)\n")
         print("| codec | steps/s (median) | ratio to none | rounds' ratios |")
         print("|---|---|---|---|")
@@ -300,8 +302,10 @@ def main():
     parser.add_argument("--load", default=None, help="--part time: the runs of an earlier --part convergence --out")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-round", type=int, default=30)
+    parser.add_argument("--mesh", default=MESH, help="--part cost: the mesh the steps run on (default: 8)")
+    parser.add_argument("--allreduce", default="psum", help="--part cost: the algorithm over data (default: psum)")
     args = parser.parse_args()
-    mesh = jaxpar.make_mesh(MESH)  # before anything touches JAX: provides the CPU devices
+    mesh = jaxpar.make_mesh(args.mesh if args.part == "cost" else MESH)  # before anything touches JAX: provides the CPU devices
     if args.part == "time" and not args.load:
         parser.error("--part time needs --load FILE (the JSON of --part convergence --out FILE)")
     runs = None

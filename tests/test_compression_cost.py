@@ -176,10 +176,10 @@ def test_the_advisor_prices_a_codec_with_its_calibrated_compute_and_the_loss_all
 
 
 def test_powersgd_on_a_model_split_replica_pays_the_resharding_its_compiled_step_adds():
-    """The MLP on data=2,model=2 with a slow model link (10 ms per message): PowerSGD on whole arrays makes the
-    compiler reshard its matmuls and QR over model, a dozen-plus collectives its sync step does not have, so its
-    plan projects > 0.1 s more than the uncompressed ring's (before: within 1 ms of it, the resharding unpriced).
-    The elementwise int8 (per shard) adds none."""
+    """The MLP on data=2,model=2 with a slow model link (10 ms per message): PowerSGD on whole arrays adds
+    collectives over model its sync step does not have (two more all-reduces of its matmuls' partial sums and the
+    all-gathers of P for its QR), so its plan projects > 40 ms more than the uncompressed ring's (before it was
+    priced: within 1 ms of it). The elementwise int8 (per shard) adds none."""
     import models
     from jaxpar.cli.config import Config
 
@@ -190,5 +190,5 @@ def test_powersgd_on_a_model_split_replica_pays_the_resharding_its_compiled_step
                           meshes=["data=2,fsdp=1,model=2"], remats=("none",), periods=(), codecs=("powersgd:4", "int8"))
     seconds = {c.strategy: c.seconds for c in result["plans"]}
     ring = seconds["sync allreduce=ring"]
-    assert seconds["sync allreduce=ring compress=powersgd:4"] - ring > 0.1, seconds
+    assert seconds["sync allreduce=ring compress=powersgd:4"] - ring > 0.04, seconds
     assert abs(seconds["sync allreduce=ring compress=int8"] - ring) < 1e-3, seconds

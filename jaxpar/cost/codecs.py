@@ -43,6 +43,20 @@ def gradient_shapes(trainer) -> list[tuple]:
     return out
 
 
+def gradient_splits(trainer) -> list[tuple] | None:
+    """For a whole-array codec (PowerSGD) on a replica of several devices: per leaf, the pieces each dimension is
+    cut into inside a replica (`partitioning.within_replica_splits`), which decide each device's part of the factors
+    it sends; None for the elementwise codecs, whose `gradient_shapes` are already the shards."""
+    from jaxpar.parallel import mesh as mesh_lib
+    from jaxpar.parallel import partitioning as shd
+
+    if getattr(trainer.strategy.communicator, "per_shard", True) or mesh_lib.size(
+            trainer.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
+        return None
+    return [shd.within_replica_splits(leaf.sharding, leaf.ndim)
+            for leaf in jax.tree.leaves(trainer.abstract_state(neutral=True).params)]
+
+
 def link_kind(algorithm: str, collective: str, codec) -> str:
     """The collective kind whose calibrated link (`Profile.kinds`) carries a `traffic` entry: every collective of
     the hand-written algorithms (ring, torus2d, ps) is a ppermute; fp16's scales are a native pmax (an all-reduce);
@@ -56,15 +70,15 @@ def link_kind(algorithm: str, collective: str, codec) -> str:
     return "all-to-all" if getattr(codec, "dtype", None) is not None else "all-reduce"
 
 
-def exchange_seconds(communicator, shapes, n: int, profile, axes) -> float:
+def exchange_seconds(communicator, shapes, n: int, profile, axes, splits=None) -> float:
     """Textbook seconds of the codec's exchange over `n` replicas on `profile`'s links of mesh `axes`: per
     collective, steps x alpha + bytes the busiest device sends / bandwidth, each on its own kind's link
-    (`link_kind`)."""
+    (`link_kind`). `splits`: as `CompressedCommunicator.traffic`."""
     if n <= 1:
         return 0.0
     codec = codec_of(communicator)
     total = 0.0
-    for t in communicator.traffic(shapes, n):
+    for t in communicator.traffic(shapes, n, splits):
         link = profile.link(axes, link_kind(communicator.name, t["collective"], codec))
         steps = t["steps"]
         if t["collective"] == "all-gather" and communicator.name != "psum":
@@ -170,7 +184,7 @@ def report(trainer, float32_bytes: float) -> dict | None:
     if codec is None or n <= 1:
         return None
     shapes = gradient_shapes(trainer)
-    traffic = communicator.traffic(shapes, n)
+    traffic = communicator.traffic(shapes, n, gradient_splits(trainer))
     sent = sum(t["bytes_sent_per_device"] for t in traffic)
     return {"name": codec.name, "bytes_sent_per_device": sent, "steps": sum(t["steps"] for t in traffic),
             "float32_bytes": float32_bytes, "ratio": sent / float32_bytes if float32_bytes else None,

@@ -33,6 +33,7 @@ from jaxpar.cost import codecs, pipelines, topology
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.names import named_leaves
+from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import theoretical_traffic
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
@@ -72,7 +73,8 @@ def sharding_plan(trainer) -> dict:
         itemsize = _itemsize(leaf.dtype)
         params.append({"name": name, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
                        "spec": _spec(leaf.sharding), "bytes": math.prod(leaf.shape) * itemsize,
-                       "bytes_per_device": math.prod(shard) * itemsize})
+                       "bytes_per_device": math.prod(shard) * itemsize,
+                       "splits": list(shd.within_replica_splits(leaf.sharding, leaf.ndim))})
     totals = {part: _placed_bytes(getattr(state, field)) for part, field in
               (("parameters", "params"), ("model_state", "model_state"), ("optimizer", "opt_state"),
                ("strategy", "strategy_state"), ("communicator", "comm_state"))}

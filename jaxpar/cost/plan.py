@@ -135,9 +135,10 @@ def _codec_seconds(strategy, replicas: int, params: list[dict], profile) -> tupl
     communicator = strategy.communicator
     codec = codecs.codec_of(communicator)
     shapes = [tuple(p["shape"]) if not communicator.per_shard else (p["bytes_per_device"] // 4,) for p in params]
+    splits = None if communicator.per_shard else [tuple(p["splits"]) for p in params]
     state = sum(p["bytes_per_device"] for p in params) if getattr(codec, "error_feedback", False) else 0
     axes = (mesh_lib.DATA,)
-    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile, axes)
+    wire = codecs.exchange_seconds(communicator, shapes, replicas, profile, axes, splits)
     wire += collective_seconds(Collective("all-reduce", 4, replicas, axes), profile)  # the loss mean
     return wire, codecs.compute_seconds(codec, shapes, replicas, profile), state
 

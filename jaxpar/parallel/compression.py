@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.errors import OptionError
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel.collectives import Communicator, allgather, allreduce_sum, theoretical_traffic
 
 CODECS = ("none", "bf16", "fp16", "int8", "powersgd:R")
@@ -214,10 +216,13 @@ class PowerSGD:
         chosen = [i for i, x in enumerate(v) if str(i) in shared]
         mats = {i: v[i].reshape(as_matrix_shape(v[i].shape)) for i in chosen}
         plain = [i for i in range(len(v)) if i not in mats]
-        # round 1: every P and the uncompressed leaves in one exchange
-        first = exchange.mean([mats[i] @ shared[str(i)] for i in chosen] + [v[i] for i in plain])
+        # round 1: every P and the uncompressed leaves in one exchange; each device sends its rows of P (cut like
+        # the matrix's rows) and its shard of a plain leaf, where the exchange knows the leaves' layout
+        first = exchange.mean([mats[i] @ shared[str(i)] for i in chosen] + [v[i] for i in plain],
+                              exchange.layout([(i, 0) for i in chosen] + [(i, None) for i in plain]))
         ps = {i: orthogonalize(p) for i, p in zip(chosen, first)}
-        qs = dict(zip(chosen, exchange.mean([mats[i].T @ ps[i] for i in chosen]) if chosen else []))
+        qs = dict(zip(chosen, exchange.mean([mats[i].T @ ps[i] for i in chosen],
+                                            exchange.layout([(i, 1) for i in chosen])) if chosen else []))
         out, residual = list(first[len(chosen):]), [None] * len(v)
         means = [None] * len(v)
         for i, x in zip(plain, out):
@@ -243,15 +248,21 @@ class PowerSGD:
                 out["elementwise"] += 2 * rows * cols
         return out
 
-    def payload(self, shapes, n) -> dict:
-        """Two all-reduces: the P factors with the uncompressed leaves, then the Q factors."""
+    def payload(self, shapes, n, splits=None) -> dict:
+        """Two all-reduces: the P factors with the uncompressed leaves, then the Q factors. `shapes` are whole
+        arrays; `splits` (per leaf, the pieces each dimension is cut into inside a replica,
+        `partitioning.within_replica_splits`; None: not cut) gives each device's part: its rows of each factor
+        (`partitioning.factor_splits`) and its shard of a plain leaf."""
         first = second = 0
-        for s in shapes:
+        for k, s in enumerate(shapes):
+            cut = splits[k] if splits is not None else (1,) * len(s)
             if self.compresses(s):
                 rows, cols = as_matrix_shape(s)
-                first, second = first + 4 * rows * self.rank, second + 4 * cols * self.rank
+                row_pieces, col_pieces = shd.factor_splits(cut)
+                first += 4 * rows // row_pieces * self.rank
+                second += 4 * cols // col_pieces * self.rank
             else:
-                first += 4 * math.prod(s)
+                first += 4 * math.prod(s) // math.prod(cut)
         return {"all-reduce": first, "all-reduce (Q)": second} if second else {"all-reduce": first}
 
 
@@ -286,17 +297,42 @@ def parse_codec(value):
 
 
 class _Exchange:
-    """The collectives a codec may use, bound to an axis and an algorithm."""
+    """The collectives a codec may use, bound to an axis and an algorithm. `shardings` (a whole-array codec's
+    leaves' NamedShardings, in leaf order; None for codecs that run per shard or on a replica of one device) lets
+    `mean` send each device's own part of what it averages."""
 
-    def __init__(self, axis_name, algorithm, torus_x):
+    def __init__(self, axis_name, algorithm, torus_x, shardings=None):
         self.axis_name, self.algorithm, self.torus_x = axis_name, algorithm, torus_x
+        self.shardings = shardings
 
     def sum(self, leaves):
         return allreduce_sum(leaves, self.axis_name, self.algorithm, torus_x=self.torus_x)
 
-    def mean(self, leaves):
+    def mean(self, leaves, specs=None):
+        """The mean over replicas; with `specs` (each value's within-replica PartitionSpec, `layout`), inside a
+        shard_map manual over the within-replica axes, so each device sends only its part: without it a hand-written
+        algorithm fuses whole (gathered) arrays and the compiler lays the native one out as it likes."""
+        if specs is None:
+            return self._mean(leaves)
+        # no `mesh=`: inside the replica-manual shard_map the context mesh is the one to use
+        return jax.shard_map(self._mean, in_specs=(specs,), out_specs=specs,
+                             axis_names=set(mesh_lib.WITHIN_REPLICA_AXES), check_vma=False)(leaves)
+
+    def _mean(self, leaves):
         n = lax.axis_size(self.axis_name)
         return [(x / n).astype(x.dtype) for x in self.sum(leaves)]
+
+    def layout(self, parts):
+        """The within-replica specs of the values named by `parts`, (leaf index, 0: its P factor / 1: its Q
+        factor / None: the leaf itself), or None when the leaves' layout is not known."""
+        if self.shardings is None:
+            return None
+        out = []
+        for i, factor in parts:
+            sharding, ndim = self.shardings[i]
+            out.append(shd.within_replica_specs(sharding) if factor is None else
+                       shd.factor_specs(sharding, ndim)[factor])
+        return out
 
     def gather(self, tree):
         return allgather(tree, self.axis_name, self.algorithm, torus_x=self.torus_x)
@@ -324,23 +360,30 @@ class CompressedCommunicator(Communicator):
         own = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), own)
         return {OWN: own, SHARED: shared}
 
-    def mean(self, tree, state, axis_name: str):
+    def mean(self, tree, state, axis_name: str, shardings=None):
+        """`shardings`: the params-shaped NamedShardings of `tree` inside a replica, for a whole-array codec
+        (PowerSGD) on a replica of several devices: each device then sends its own part of the factors."""
         leaves, treedef = jax.tree.flatten(tree)
         own = jax.tree.leaves(state[OWN])
         own = [x[0] for x in own] if own else own
         n = lax.axis_size(axis_name)
-        means, own, shared = self.codec.mean(leaves, own, state[SHARED], _Exchange(axis_name, self.name,
-                                                                                   self.torus_x), n, axis_name)
+        layout = None if shardings is None else [
+            (s, x.ndim) for s, x in zip(jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "spec")), leaves)]
+        exchange = _Exchange(axis_name, self.name, self.torus_x, layout)
+        means, own, shared = self.codec.mean(leaves, own, state[SHARED], exchange, n, axis_name)
         new_own = jax.tree.unflatten(jax.tree.structure(state[OWN]), [x[None] for x in own]) if own else state[OWN]
         return jax.tree.unflatten(treedef, means), {OWN: new_own, SHARED: shared}
 
-    def traffic(self, shard_shapes, n: int) -> list[dict]:
+    def traffic(self, shard_shapes, n: int, splits=None) -> list[dict]:
         """Per collective of the codec's exchange: {"collective", "bytes_sent_per_device" (the busiest device's),
-        "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas. All-reduces as
-        `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring or torus2d,
-        (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
+        "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas (a whole-array codec:
+        the whole shapes, and `splits`, how each is cut inside a replica; `jaxpar.cost.codecs.gradient_layout`).
+        All-reduces as `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring
+        or torus2d, (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
+        shapes = [tuple(s) for s in shard_shapes]
+        payload = self.codec.payload(shapes, n) if splits is None else self.codec.payload(shapes, n, splits)
         out = []
-        for kind, nbytes in self.codec.payload([tuple(s) for s in shard_shapes], n).items():
+        for kind, nbytes in payload.items():
             if kind == "all-gather":
                 out.append({"collective": kind, "bytes_sent_per_device": (n - 1) * nbytes * (n if self.name == "ps"
                                                                                               else 1),
@@ -351,9 +394,9 @@ class CompressedCommunicator(Communicator):
                             "steps": t["steps"]})
         return out
 
-    def wire_bytes(self, shard_shapes, n: int) -> float:
+    def wire_bytes(self, shard_shapes, n: int, splits=None) -> float:
         """Bytes the busiest device sends per exchange (the sum of `traffic`)."""
-        return sum(t["bytes_sent_per_device"] for t in self.traffic(shard_shapes, n))
+        return sum(t["bytes_sent_per_device"] for t in self.traffic(shard_shapes, n, splits))
 
     def __repr__(self):
         return f"compressed({Communicator.__repr__(self)}, {self.codec.name!r})"

@@ -328,10 +328,15 @@ def _is_sharding(x) -> bool:
     return isinstance(x, NamedSharding)
 
 
+def _entry_axes(entry) -> tuple:
+    """The mesh axes one entry of a PartitionSpec names (None: none)."""
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
 def _drop_axes(spec, keep) -> P:
     """`spec` with the mesh axes for which `keep(axis)` is false removed."""
     def one(entry):
-        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        names = _entry_axes(entry)
         kept = tuple(a for a in names if keep(a))
         return kept[0] if len(kept) == 1 else (kept or None)
 
@@ -362,6 +367,28 @@ def within_replica_specs(shardings):
     return jax.tree.map(lambda s: _drop_axes(s.spec, lambda a: a in inside), shardings, is_leaf=_is_sharding)
 
 
+def within_replica_splits(sharding, ndim: int) -> tuple:
+    """How many pieces each of a parameter's `ndim` dimensions is cut into inside a replica (over fsdp / model)."""
+    inside = set(mesh_lib.WITHIN_REPLICA_AXES)
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(math.prod(sharding.mesh.shape[a] for a in _entry_axes(entry) if a in inside) for entry in spec)
+
+
+def factor_splits(splits) -> tuple[int, int]:
+    """(P's row pieces, Q's row pieces) of PowerSGD's factors of a parameter viewed as the matrix (shape[0], the
+    rest), cut inside a replica like the matrix (`splits`: `within_replica_splits`): P like dimension 0; Q like
+    dimension 1 when no later dimension is cut (then each device's columns are one block), else whole."""
+    return splits[0], (splits[1] if len(splits) >= 2 and math.prod(splits[2:]) == 1 else 1)
+
+
+def factor_specs(sharding, ndim: int) -> tuple[P, P]:
+    """The within-replica specs of PowerSGD's P (n x R) and Q (m x R) for a parameter laid out by `sharding`, as
+    `factor_splits` cuts them: each device exchanges only its rows of each factor."""
+    spec = tuple(within_replica_specs(sharding)) + (None,) * ndim
+    rows, cols = factor_splits(within_replica_splits(sharding, ndim))
+    return P(spec[0] if rows > 1 else None, None), P(spec[1] if cols > 1 else None, None)
+
+
 def per_fsdp_device(mesh) -> P:
     """Inside a shard_map manual over fsdp: a stack with one entry per fsdp device (a leading dimension over fsdp),
     e.g. each device's own unreduced gradient before the hand-written reduce-scatter."""
@@ -373,7 +400,7 @@ def fsdp_split(sharding):
     splits over fsdp, or None when the parameter is whole over fsdp."""
     fsdp = mesh_lib.axis_name(sharding.mesh, mesh_lib.FSDP_AXIS)
     for dim, entry in enumerate(sharding.spec):
-        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        names = _entry_axes(entry)
         if fsdp in names:
             return dim, names
     return None
@@ -446,7 +473,7 @@ def specs_of(shardings) -> list:
 
 def split_axes(spec) -> set:
     """The mesh axes a spec splits some dimension over."""
-    return {a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)}
+    return {a for entry in spec for a in _entry_axes(entry)}
 
 
 def device_grid_spec(mesh: Mesh) -> P:

@@ -60,9 +60,10 @@ def mean_params_like(ctx, tree, comm_state=()):
         return tree, comm_state
     if comm.native and one_buffer_gradients(ctx.mesh):
         return allreduce_in_one_buffer(tree, AXIS), comm_state
-    if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1 or not getattr(
-            comm, "per_shard", True):  # (PowerSGD's matrices stay whole: the compiler shards its matmuls)
+    if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return comm.mean(tree, comm_state, AXIS)
+    if not getattr(comm, "per_shard", True):  # PowerSGD: whole matrices (the compiler shards its matmuls), and
+        return comm.mean(tree, comm_state, AXIS, shardings=ctx.param_shardings)  # each device sends its factor rows
     specs = shd.within_replica_specs(ctx.param_shardings)
     state_specs = shd.communicator_specs(comm_state, ctx.param_shardings)
     # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
