@@ -26,7 +26,7 @@ Where: `Sync(allreduce=ALG, compress=CODEC)` (the gradient), `LocalSGD` / `DiLoC
 outer gradients); `compressed(communicator("ring"), "int8")` builds one directly.
 `int8:noef` / `powersgd:R:noef`: the same codecs without error feedback (no residual), for convergence studies.
 
-Why about 360 lines: a codec is one class holding its encode / decode, its wire payload and its FLOP count (what
+Why about 410 lines: a codec is one class holding its encode / decode, its wire payload and its FLOP count (what
 `jaxpar.cost.codecs` prices), so a codec is defined in one place; the exchange and the communicator frame them.
 """
 
