@@ -259,8 +259,9 @@ def step_cost(args, mesh):
             steps[codec] = one
         rates = common.alternating_rates(steps, args.rounds, args.per_round)
         base = rates["none"]
-        print(f"\n{task}: steps/s on mesh {args.mesh} (allreduce {args.allreduce}) on this machine, {args.rounds} alternating rounds of "
-              f"{args.per_round} steps; ratio = the median over rounds of (codec / none in that round)\n")
+        print(f"\n{task}: steps/s on mesh {args.mesh} (allreduce {args.allreduce}) on this machine, "
+              f"{args.rounds} alternating rounds of {args.per_round} steps; ratio = the median over rounds of "
+              f"(codec / none in that round)\n")
         print("| codec | steps/s (median) | ratio to none | rounds' ratios |")
         print("|---|---|---|---|")
         for codec, r in rates.items():
@@ -305,7 +306,8 @@ def main():
     parser.add_argument("--mesh", default=MESH, help="--part cost: the mesh the steps run on (default: 8)")
     parser.add_argument("--allreduce", default="psum", help="--part cost: the algorithm over data (default: psum)")
     args = parser.parse_args()
-    mesh = jaxpar.make_mesh(args.mesh if args.part == "cost" else MESH)  # before anything touches JAX: provides the CPU devices
+    # before anything touches JAX: provides the CPU devices
+    mesh = jaxpar.make_mesh(args.mesh if args.part == "cost" else MESH)
     if args.part == "time" and not args.load:
         parser.error("--part time needs --load FILE (the JSON of --part convergence --out FILE)")
     runs = None

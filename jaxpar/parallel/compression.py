@@ -377,7 +377,7 @@ class CompressedCommunicator(Communicator):
     def traffic(self, shard_shapes, n: int, splits=None) -> list[dict]:
         """Per collective of the codec's exchange: {"collective", "bytes_sent_per_device" (the busiest device's),
         "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas (a whole-array codec:
-        the whole shapes, and `splits`, how each is cut inside a replica; `jaxpar.cost.codecs.gradient_layout`).
+        the whole shapes, and `splits`, how each is cut inside a replica; `jaxpar.cost.codecs.gradient_splits`).
         All-reduces as `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring
         or torus2d, (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
         shapes = [tuple(s) for s in shard_shapes]

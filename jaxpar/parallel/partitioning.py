@@ -3,7 +3,8 @@
 Why about 580 lines: every PartitionSpec and NamedSharding of the project is built here on purpose (one owner), so
 the rules, FSDP placement, batch, per-replica, gathered and restore layouts, the pipeline's stage-row layouts, a
 codec's per-replica state, PowerSGD's factors and calibration's per-device buffers sit side by side (path rules:
-their matching lives in `path_rules.py`, their specs here). Split, each part would build specs a lint forbids outside this module.
+their matching lives in `path_rules.py`, their specs here). Split, each part would build specs a lint forbids
+outside this module.
 
 Models name the dimensions of their parameters (`nnx.with_partitioning(init, ("embed", "mlp"))`, or Linen's
 `nn.with_logical_partitioning`); rules map each logical name to a mesh axis (or None = replicated). Rules come in
