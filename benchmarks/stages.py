@@ -192,7 +192,7 @@ def collectives(model) -> None:
 
 def remat() -> None:
     """Compiled temporaries per device and FLOPs per step of GPipe and 1F1B on stage=2 (M = 4) under each remat
-    policy (the model of tests/test_pipeline_remat.py: 4 layers, d_model 64, d_ff 256, seq_len 64, batch 16)."""
+    policy (the model of tests/pipeline/test_pipeline_remat.py: 4 layers, d_model 64, d_ff 256, seq_len 64, batch 16)."""
     import numpy as np
     import optax
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_data.py under `python -m jaxpar.runtime.launch --nproc N --devices-per-process 1`: each process
+"""Run by tests/io/test_data.py under `python -m jaxpar.runtime.launch --nproc N --devices-per-process 1`: each process
 builds run.py's text datasets, loads its rows (`BatchPlacer.local_rows`, the rows `Trainer.local_rows` gives) of
 the first global batches, resumes from the saved position in a fresh iterator, and saves what it drew and how many
 corpus bytes it read.   ARGS: OUT_PREFIX (process k writes OUT_PREFIX<k>.npz)"""
@@ -17,7 +17,7 @@ from jaxpar.cli.config import Config  # noqa: E402
 from jaxpar.io import data  # noqa: E402
 from jaxpar.train.batches import BatchPlacer  # noqa: E402
 
-BATCH, SEQ_LEN = 8, 16  # what tests/test_data.py draws in one process
+BATCH, SEQ_LEN = 8, 16  # what tests/io/test_data.py draws in one process
 
 
 def draw(batches, count):

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `python -m jaxpar.launch`: a user's own script that joins the processes
+"""Run by tests/runtime/test_distributed.py under `python -m jaxpar.launch`: a user's own script that joins the processes
 with `jaxpar.runtime.distributed.initialize()` (settings from the launcher), restores a checkpoint onto a 2x4 mesh over
 all processes and has process 0 save the gathered parameters.   ARGS: CHECKPOINT_DIR STEP OUT.npz"""
 
@@ -13,7 +13,7 @@ import optax  # noqa: E402
 import models  # noqa: E402
 from jaxpar.io.checkpoint import Checkpointer  # noqa: E402
 from jaxpar.cli.config import Config  # noqa: E402
-from tests.test_distributed import _flat  # noqa: E402
+from tests.runtime.test_distributed import _flat  # noqa: E402
 
 import numpy as np  # noqa: E402
 

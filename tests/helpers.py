@@ -10,6 +10,8 @@ import jaxpar
 import models
 from jaxpar import Config
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
 TINY = {
     "transformer": Config(model="transformer", layers=1, d_model=32, heads=8, d_ff=64, seq_len=8, vocab=256),
     "mlp": Config(model="mlp", hidden=32),

@@ -26,7 +26,7 @@ from jaxpar.errors import JaxparError
 
 
 # Every key a step or evaluation record may hold besides the loss function's own metrics (docs/metrics.md, "The
-# JSONL schema"). tests/test_progress.py runs every strategy and checks its records against it.
+# JSONL schema"). tests/io/test_progress.py runs every strategy and checks its records against it.
 STEP_KEYS = {
     "step": "updates done", "loss": "the loss function's loss", "lr": "learning rate of the step",
     "batch_size": "global batch of the step (SSP / ASP: the contributing replicas' examples)",

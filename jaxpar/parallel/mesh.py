@@ -1,6 +1,6 @@
 """The ONE module that names mesh axes and says what each is for; mesh specs -> `jax.sharding.Mesh`.
 
-Why about 410 lines: the house rule puts every axis name and role here (tests/test_mesh.py lints it), so the spec
+Why about 410 lines: the house rule puts every axis name and role here (tests/parallel/test_mesh.py lints it), so the spec
 parser, the device grid across processes, the roles a model's own axis names play on an explicit-sharding mesh, the
 mesh check and the questions asked by role are one module on purpose.
 

@@ -27,7 +27,7 @@ one with `lax.ppermute` after every tick.
   `jax.vjp`. Parameter gradients accumulate across ticks. The last stage applies `head_fn` (the rest of the model
   and the loss) to each microbatch as it leaves, so its backward can start at once.
 
-All three are checked against the sequential model (loss and every gradient) in tests/test_pipeline.py.
+All three are checked against the sequential model (loss and every gradient) in tests/pipeline/test_pipeline.py.
 """
 
 from __future__ import annotations

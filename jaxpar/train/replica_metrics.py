@@ -8,7 +8,7 @@ metrics structure) that averages them on the device, so the host runs ahead like
 
 The numbers are numpy's, bit for bit: the float32 values are added in the order numpy's mean adds them (in order
 below 8 replicas, pairwise from 8: `_numpy_sum`), then divided by R; IEEE addition and division round alike on the
-host and in XLA:CPU, which does not reorder float additions (`tests/test_strategies.py` checks bit-identity). Metrics that are not floating point (numpy's mean of integers is
+host and in XLA:CPU, which does not reorder float additions (`tests/strategies/test_strategies.py` checks bit-identity). Metrics that are not floating point (numpy's mean of integers is
 float64, which the device does not compute) are read to the host and averaged there, as before.
 """
 
