@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import optax
 
 import models
-from jaxpar import strategies
+from jaxpar.cli import strategies
 from jaxpar.cli.batching import batch_sizes, static_batch_sizes
 from jaxpar.cli.config import Config
 from jaxpar.cli.pipelining import check_stages, pipeline_of

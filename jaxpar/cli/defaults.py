@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar import strategies as strategies_lib
+from jaxpar.cli import strategies as strategies_lib
 from jaxpar.cli.config import OPTIONS, Config
 from jaxpar.cli.options import APPLIES_TO, strategy_default
 from jaxpar.strategies import BN_LOCAL, BN_SYNC

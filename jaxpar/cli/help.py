@@ -38,10 +38,10 @@ MORE = {  # what --help adds to a declaration's one line
 
 def _allreduce_default() -> str:
     """What no --allreduce means, asked of the strategies: the compiler's averaging where replicas share one step."""
-    from jaxpar.strategies import REGISTRY, WHOLE_BATCH
+    from jaxpar.cli.strategies import CLASSES, WHOLE_BATCH
 
     others: dict = {}
-    for name, cls in REGISTRY.items():
+    for name, cls in CLASSES.items():
         if name not in WHOLE_BATCH:
             others.setdefault(cls.DEFAULT_ALLREDUCE, []).append(name)
     return (f"none given: {' / '.join(WHOLE_BATCH)} leaves the averaging to XLA's partitioner, " +

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpar import strategies
+from jaxpar.cli import strategies
 from jaxpar.cli.config import Config
 from jaxpar.cli.defaults import given
 from jaxpar.cli.pipelining import blocks_field, spec_stages

@@ -12,13 +12,13 @@ import dataclasses
 from typing import Any, Callable
 
 import models
-from jaxpar import strategies as strategies_lib
+from jaxpar.cli import strategies as strategies_lib
 
 GROUPS = ("mesh", "pipeline", "architecture", "dataset", "optimizer", "strategy", "large batch", "run",
           "checkpoints and faults", "processes")
 PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
 MODELS = models.MODELS
-STRATEGIES = tuple(strategies_lib.REGISTRY)
+STRATEGIES = strategies_lib.NAMES
 
 # field -> {model: its default there}, for the fields that apply to some models only (None: derived, see `defaults`)
 MODEL_OF: dict[str, dict[str, Any]] = {}
@@ -26,12 +26,7 @@ for _model, _spec in models.REGISTRY.items():
     for _name, _default in _spec.defaults.items():
         MODEL_OF.setdefault(_name, {})[_model] = _default
 
-# field -> the strategies it applies to (a field given for another strategy is an error), read from the strategies
-APPLIES_TO: dict[str, tuple[str, ...]] = {
-    name: tuple(s for s, cls in strategies_lib.REGISTRY.items()
-                if name in strategies_lib.COMMON_OPTIONS or name in cls.OPTIONS)
-    for name in dict.fromkeys([*strategies_lib.COMMON_OPTIONS,
-                               *(f for cls in strategies_lib.REGISTRY.values() for f in cls.OPTIONS)])}
+APPLIES_TO = strategies_lib.APPLIES_TO  # field -> the strategies it applies to
 
 FILE_ONLY = ("rules", "channels")  # config-file fields that are no flag
 CONST = {"resume": "auto"}  # the value of a flag given without one (`--resume` = `--resume auto`)

@@ -20,6 +20,7 @@ from jaxpar.cli.notes import divergence_hint, run_notes
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.paths import profile_folder
 from jaxpar.cli.processes import join_processes
+from jaxpar.cli.strategies import notes as strategy_notes
 from jaxpar.cli.values import parse_profile
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
@@ -173,7 +174,7 @@ def _run(config: Config, built: Built, checkpoints, stop) -> dict:
             print(line, flush=True)
 
     say(_headline(config, trainer, state, start, size_at))
-    for line in trainer.strategy.notes():
+    for line in strategy_notes(trainer.strategy):
         say(f"jaxpar: note: {line}")
     peak = _peak_flops(trainer, say)
     with _outputs(config) as (jsonl, board):

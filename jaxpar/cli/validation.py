@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar import strategies as strategies_lib
+from jaxpar.cli import strategies as strategies_lib
 from jaxpar.checks import is_int
 from jaxpar.cli.config import OPTIONS, Config
 from jaxpar.cli.defaults import applies

@@ -37,7 +37,7 @@ from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import theoretical_traffic
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
-from jaxpar.strategies import REGISTRY
+from jaxpar.strategies import REGISTRY, LocalSGD
 
 DATA, STAGE, FSDP, MODEL = mesh_lib.DATA, mesh_lib.STAGE, mesh_lib.FSDP, mesh_lib.MODEL
 
@@ -319,7 +319,7 @@ def project(variants: dict, trainer) -> dict:
     meeting = full if quiet else full + hidden
     for name, cls in REGISTRY.items():
         if name != own.name:
-            periodic = "sync_period" in getattr(cls, "OPTIONS", {})  # local SGD, DiLoCo: they meet every H steps
+            periodic = issubclass(cls, LocalSGD)  # local SGD, DiLoCo: they meet every H steps
             seconds, how = cls.project(meeting if periodic else full, local, own.period)
             result[name] = {"seconds": seconds, "how": how}
     return result

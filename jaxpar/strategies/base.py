@@ -23,9 +23,6 @@ A strategy decides how data replicas agree on parameters. It owns every fact abo
 - `project(exchange_seconds, local_seconds, period) -> (seconds, how)` (a classmethod): its mean step time
   projected from another run's exchanging and local step times (for `explain`'s comparison of strategies);
   `period`: the steps between exchanges over the replica axis (1 for every strategy but local SGD / DiLoCo);
-- `notes() -> [str]`: what a run with this configuration should be told at start-up;
-- `from_options(options, steps)` (a classmethod): the strategy a config asks for, from its `OPTIONS` values
-  (`COMMON_OPTIONS` apply to every strategy; None = the declared default);
 - `clock`: its simulated clock (`sim_time`), priced by the trainer when a hardware profile is given.
 
 Strategies keep no hidden state: `plan` is a pure function of (replica count, step number) and the strategy's
@@ -99,7 +96,6 @@ StepFn = Callable[[TrainState, dict, dict], "tuple[TrainState, dict]"]
 
 class Strategy(Protocol):
     name: str
-    OPTIONS: dict  # its config fields -> their defaults
     local_statistics: bool  # replicas compute on their own slice, so BatchNorm statistics are per replica
     kept_on_restore: tuple  # TrainState fields of its own that a restore onto another replica count keeps
     REDUCE_NOTE: str  # what `reduce` does, for a restore's note ("{replicas}": the saved replica count)
@@ -122,10 +118,5 @@ class Strategy(Protocol):
 
     def theory(self, ctx: StepContext, variant: str, gradient_bytes: int) -> list[Expected]: ...
 
-    def notes(self) -> list[str]: ...
-
     @classmethod
     def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]: ...
-
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "Strategy": ...

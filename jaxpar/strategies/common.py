@@ -17,10 +17,6 @@ from jaxpar.parallel.collectives import communicator as make_communicator
 from jaxpar.parallel.compression import compressed, parse_codec
 from jaxpar.strategies.base import Expected
 
-# Counts that only matter up to the run's length are planned for at least this many steps, so that a resumed run
-# that raises --steps within it plans the same (the SSP version buffer, the post-local clock).
-PLAN_FLOOR = 64
-
 
 def as_stragglers(stragglers) -> Stragglers:
     return stragglers if isinstance(stragglers, Stragglers) else parse_stragglers(stragglers)
@@ -29,7 +25,6 @@ def as_stragglers(stragglers) -> Stragglers:
 class StrategyBase:
     """Holds `communicator` (None = the compiler's all-reduce) and `stragglers`; checks them against the mesh."""
 
-    OPTIONS: dict = {}
     local_statistics = True
     kept_on_restore: tuple = ()
     DEFAULT_ALLREDUCE: str | None = "psum"  # the averaging when none is given (None: the compiler's, one jit step)
@@ -82,19 +77,10 @@ class StrategyBase:
         if self.communicator is not None:
             self.communicator.check(ctx.num_replicas)
 
-    def notes(self) -> list[str]:
-        return []
-
     def _exchange(self, what: str, gradient_bytes: int, share: float = 1.0) -> Expected:
         """The replica-axis average of a params-shaped tree, sent by this strategy's communicator."""
         algorithm = "psum" if self.communicator is None else self.communicator.name
         return Expected(what, "ps" if algorithm == "ps" else "all-reduce", gradient_bytes, share)
-
-    @classmethod
-    def _common(cls, options: dict) -> dict:
-        """The keyword arguments every strategy takes, from config options (None: the declared default)."""
-        return {"allreduce": options.get("allreduce"), "torus_x": options.get("torus"),
-                "stragglers": options.get("stragglers")}
 
 
 class Clock:

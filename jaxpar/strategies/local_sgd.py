@@ -31,18 +31,19 @@ from jaxpar.parallel.partitioning import communicator_specs, optimizer_shardings
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int, meeting_rounds
+from jaxpar.strategies.common import Clock, StrategyBase, check_int, meeting_rounds
 
 SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
+PERIOD = 4  # the default steps between meetings H
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's default outer optimizer: Nesterov SGD with these
 
 
 class LocalSGD(StrategyBase):
     name = "local_sgd"
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none"}
     local_statistics = True
     REDUCE_NOTE = "the {replicas} replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
-    def __init__(self, period: int = 4, local_after: int = 0, *, allreduce: str | None = None,
+    def __init__(self, period: int = PERIOD, local_after: int = 0, *, allreduce: str | None = None,
                  torus_x: int | None = None, stragglers=None, compress: str | None = None):
         cls = type(self).__name__
         check_int(f"{cls}(period=...)", period, 1, "steps between meetings; 1 = average after every step")
@@ -51,11 +52,6 @@ class LocalSGD(StrategyBase):
         self._compress(compress)  # (the default allreduce is psum: always a hand-written exchange to wrap)
         self.period, self.local_after = period, local_after
         self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
-
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "LocalSGD":
-        return cls(options["sync_period"], min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options), compress=options.get("compress"))
 
     # --- state -----------------------------------------------------------------------------------------------
     @classmethod
@@ -116,7 +112,7 @@ class LocalSGD(StrategyBase):
     @classmethod
     def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
         """H - 1 local steps, then a meeting; H is the other run's period, or this strategy's default."""
-        h = period if period > 1 else cls.OPTIONS["sync_period"]
+        h = period if period > 1 else PERIOD
         return ((h - 1) * local + exchange) / h, f"{h - 1} local steps, then a meeting (H = {h})"
 
     def theory(self, ctx, variant: str, gradient_bytes: int):
@@ -248,24 +244,16 @@ class LocalSGD(StrategyBase):
 
 class DiLoCo(LocalSGD):
     name = "diloco"
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none", "outer_lr": 0.7, "outer_momentum": 0.9}
     kept_on_restore = ("opt_state",)  # the outer optimizer's state does not depend on the replica count
 
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "DiLoCo":
-        outer = optax.sgd(options["outer_lr"], momentum=options["outer_momentum"], nesterov=True)
-        return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options), compress=options.get("compress"))
-
-    def __init__(self, period: int = 4, outer_optimizer: optax.GradientTransformation | None = None, *,
+    def __init__(self, period: int = PERIOD, outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers,
                          compress=compress)
         if outer_optimizer is not None:
             check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)
-        self.outer_tx = outer_optimizer or optax.sgd(self.OPTIONS["outer_lr"],
-                                                     momentum=self.OPTIONS["outer_momentum"], nesterov=True)
+        self.outer_tx = outer_optimizer or optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
     def _anchor_opt_state(self, ctx, params):
         return self.outer_tx.init(params)

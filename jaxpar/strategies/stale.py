@@ -28,37 +28,19 @@ from jaxpar.train.faults import guarded_update, keep_unless
 from jaxpar.train.step import step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import PLAN_FLOOR, Clock, StrategyBase, check_int
+from jaxpar.strategies.common import Clock, StrategyBase, check_int
 from jaxpar.cost.simulator import MAX_SIMULATED_UPDATES, check_update_count
 
 
 class SSP(StrategyBase):
     name = "ssp"
-    OPTIONS: dict = {"staleness": 2}
     local_statistics = True
     bounded = True  # staleness is bounded (ASP: None)
     REDUCE_NOTE = "its stale parameter versions were dropped: every replica restarts from the current parameters"
 
     @classmethod
-    def from_options(cls, options: dict, steps: int) -> "SSP":
-        """Plans max(steps, PLAN_FLOOR) updates, so the version buffer is min(S, max(steps, PLAN_FLOOR)) + 1: a
-        resumed run that raises --steps within the floor keeps the buffer its checkpoint holds."""
-        common = cls._common(options)
-        horizon = max(steps, PLAN_FLOOR)
-        if not cls.bounded:
-            return cls(horizon=horizon, **common)
-        return cls(options["staleness"], horizon=horizon, **common)
-
-    @classmethod
     def reduce(cls, state):
         return state._replace(strategy_state=())
-
-    def notes(self) -> list[str]:
-        if self.stragglers.slowdown or self.stragglers.jitter:
-            return []
-        return [f"strategy {self.name} without a straggler profile (--stragglers): every replica is equally fast, "
-                f"so every update applies every replica's fresh gradient, as sync SGD does (give a straggler "
-                f"profile to see staleness)"]
 
     @classmethod
     def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
@@ -182,7 +164,6 @@ class SSP(StrategyBase):
 
 class ASP(SSP):
     name = "asp"
-    OPTIONS: dict = {}
     bounded = False
 
     def __init__(self, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,

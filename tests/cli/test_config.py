@@ -9,6 +9,7 @@ import jaxpar
 import models
 import run
 from jaxpar import strategies
+from jaxpar.cli import strategies as cli_strategies
 from jaxpar.cli.config import MODEL_DEFAULTS, OPTIONS, Config
 from jaxpar.cli.help import describe
 from jaxpar.cli.options import APPLIES_TO, GROUPS, MODELS, STRATEGIES
@@ -69,13 +70,14 @@ def test_help_and_defaults_come_from_the_declaration(capsys):
         assert form in describe("mesh")
 
 
-def test_strategy_facts_are_read_from_the_strategies():
-    assert STRATEGIES == tuple(strategies.REGISTRY)
-    for name, cls in strategies.REGISTRY.items():
-        for option in {**strategies.COMMON_OPTIONS, **cls.OPTIONS}:
+def test_strategy_facts_are_read_from_the_strategies_cli_table():
+    assert STRATEGIES == tuple(strategies.REGISTRY) == tuple(cls.name for cls in cli_strategies.ADAPTERS)
+    for name in strategies.REGISTRY:
+        for option in cli_strategies.options_of(name):
             assert name in APPLIES_TO[option]
             assert Config.__dataclass_fields__[option].default is None  # None = "not given"
-    assert set(APPLIES_TO) == set(strategies.COMMON_OPTIONS).union(*(c.OPTIONS for c in strategies.REGISTRY.values()))
+    assert set(APPLIES_TO) == set(cli_strategies.COMMON_OPTIONS).union(
+        *(a.options for a in cli_strategies.ADAPTERS.values()))
     assert APPLIES_TO["sync_period"] == ("local_sgd", "diloco") and APPLIES_TO["staleness"] == ("ssp",)
     assert set(MODELS) == set(models.LOSSES)
 
@@ -148,7 +150,7 @@ def test_resolved_fills_the_declared_defaults_that_apply():
 def test_resolved_strategy_options_are_the_strategies_own_defaults(name):
     resolved = Config(strategy=name).resolved()
     for option, strategies_ in APPLIES_TO.items():
-        expected = strategies.option_default(name, option) if name in strategies_ else None
+        expected = cli_strategies.option_default(name, option) if name in strategies_ else None
         assert getattr(resolved, option) == expected, option
     resolved.validate()
 
@@ -159,7 +161,7 @@ def test_resolved_strategy_options_are_the_strategies_own_defaults(name):
 ])
 def test_batchnorm_default_and_the_bn_sync_check_ask_the_strategy(changes, bn):
     config = Config(model="cnn", **changes)
-    assert config.resolved().bn == bn == ("local" if strategies.from_config(config).local_statistics else "sync")
+    assert config.resolved().bn == bn == ("local" if cli_strategies.from_config(config).local_statistics else "sync")
     if bn == "local":
         with pytest.raises(jaxpar.ConfigError, match="--bn sync needs --strategy sync without --allreduce"):
             config.replace(bn="sync").validate()
