@@ -1,4 +1,4 @@
-"""What a run tells its user about its settings: the ones that cannot act (at start), the likely culprits when the
+"""What a run tells its user about its options: the ones that cannot act (at start), the likely culprits when the
 loss diverges."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 from jaxpar.cli import strategies
 from jaxpar.cli.config import Config
 from jaxpar.cli.defaults import given
-from jaxpar.cli.pipelining import blocks_field, spec_stages
+from jaxpar.cli.pipelining import blocks_option, spec_stages
 from jaxpar.train.schedules import parse_batch_ramp
 
 
 def run_notes(config: Config) -> list[str]:
-    """One line per setting that cannot act in this run (printed, not refused: the run is still valid)."""
+    """One line per option that cannot act in this run (printed, not refused: the run is still valid)."""
     steps, notes = config.steps, []
     if config.warmup_steps > steps:
         notes.append(f"--warmup-steps {config.warmup_steps} is larger than --steps {steps}: the lr never reaches "
@@ -50,7 +50,7 @@ def pipeline_notes(config: Config) -> list[str]:
     """The pipeline flags that cannot act: no stacked layers in the model, or no stage axis to pipeline over."""
     stages = spec_stages(config)  # None: a -1 in --mesh; the stage count is not known yet
     scheduled = [f"--{name} {getattr(config, name)}" for name in ("pipeline", "repeats") if given(config, name)]
-    if blocks_field(config) is None:
+    if blocks_option(config) is None:
         changed = scheduled + ([f"--microbatches {config.microbatches}"] if given(config, "microbatches") else [])
         if changed and stages == 1:  # (stage > 1: the partitioner refuses the model with one line)
             return [f"{', '.join(changed)}: --model {config.model} has no stacked layers (jaxpar.pipeline.Stack), so "
@@ -62,9 +62,9 @@ def pipeline_notes(config: Config) -> list[str]:
 
 
 def divergence_hint(config: Config, size_at):
-    """`hint(loss, step)` for `StopIfDiverged`: the likely culprits among the settings this run changed from their
+    """`hint(loss, step)` for `StopIfDiverged`: the likely culprits among the options this run changed from their
     defaults, most likely first (a too-high lr, made higher by --lr-scaling; no warmup; a large batch)."""
-    default = Config()
+    default = type(config)()
     base = config.base_batch_size or size_at(0)
     sizes = [size for _, size in getattr(size_at, "stages", [(0, size_at(0))])]
     scale = max(size / base for size in sizes)

@@ -86,3 +86,6 @@ def is_metrics_file(path) -> bool:
     except ValueError:
         return False
     return isinstance(record, dict) and "versions" in record
+
+
+trace_folder = writable_folder("profile/")  # the check of the folder --profile writes its trace into

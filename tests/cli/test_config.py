@@ -10,9 +10,11 @@ import models
 import run
 from jaxpar import strategies
 from jaxpar.cli import strategies as cli_strategies
-from jaxpar.cli.config import MODEL_DEFAULTS, OPTIONS, Config
+from jaxpar.cli.config import OPTIONS, Config
+from jaxpar.cli.defaults import MODEL_DEFAULTS
 from jaxpar.cli.help import describe
-from jaxpar.cli.options import APPLIES_TO, GROUPS, MODELS, STRATEGIES
+from jaxpar.cli.options import GROUPS
+from jaxpar.cli.strategies import APPLIES_TO, NAMES as STRATEGIES
 from jaxpar.cli.flags import FLAGS
 
 CONFIG_FILE_ONLY = {"channels", "rules"}
@@ -29,16 +31,16 @@ def fails(argv, capsys) -> str:
 # --- one declaration -> flags, help, defaults -------------------------------------------------------------------
 def test_generated_flags_match_the_fields_exactly():
     names = [f.name for f in dataclasses.fields(Config)]
-    assert [f.field for f in FLAGS] == [n for n in names if n not in CONFIG_FILE_ONLY]
-    assert all(f.flag == "--" + f.field.replace("_", "-") for f in FLAGS)
+    assert [f.option for f in FLAGS] == [n for n in names if n not in CONFIG_FILE_ONLY]
+    assert all(f.flag == "--" + f.option.replace("_", "-") for f in FLAGS)
     parser_dests = {a.dest for a in run.parser()._actions} - {"help", "config"}
-    assert parser_dests == {f.field for f in FLAGS}
-    assert not any(OPTIONS[n]["flag"] for n in CONFIG_FILE_ONLY)
+    assert parser_dests == {f.option for f in FLAGS}
+    assert not any(OPTIONS[n].flag for n in CONFIG_FILE_ONLY)
 
 
 def test_every_option_is_declared_with_help_group_and_a_type_the_flag_parses():
     for f in dataclasses.fields(Config):
-        assert f.metadata["help"] and f.metadata["group"] in GROUPS, f.name
+        assert OPTIONS[f.name].help and OPTIONS[f.name].group in GROUPS, f.name
     assert {flag.type for flag in FLAGS} <= {int, float, str, bool}
     args = run.parser().parse_args(["--heads", "6", "--lr", "0.5", "--strategy", "ssp"])
     assert (args.heads, args.lr, args.strategy, args.steps, args.explain) == (6, 0.5, "ssp", None, None)
@@ -57,12 +59,12 @@ def test_help_and_defaults_come_from_the_declaration(capsys):
         assert "".join(flag.help.split()) in squeezed, flag.flag
     plain = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not None}
     for name, default in plain.items():
-        if OPTIONS[name]["flag"]:
+        if OPTIONS[name].flag:
             assert f"default: {default}" in describe(name), name
     for model, defaults in MODEL_DEFAULTS.items():
         for name, default in defaults.items():
             assert f"{model} only" in describe(name)
-            if not callable(default) and OPTIONS[name]["default_text"] is None:
+            if not callable(default) and OPTIONS[name].default_text is None:
                 assert f"default: {default}" in describe(name), name
     assert "default: 4" in describe("sync_period") and "local_sgd / diloco only" in describe("sync_period")
     assert "default: 2" in describe("staleness") and "ssp only" in describe("staleness")
@@ -79,7 +81,7 @@ def test_strategy_facts_are_read_from_the_strategies_cli_table():
     assert set(APPLIES_TO) == set(cli_strategies.COMMON_OPTIONS).union(
         *(a.options for a in cli_strategies.ADAPTERS.values()))
     assert APPLIES_TO["sync_period"] == ("local_sgd", "diloco") and APPLIES_TO["staleness"] == ("ssp",)
-    assert set(MODELS) == set(models.LOSSES)
+    assert set(models.MODELS) == set(models.LOSSES)
 
 
 # --- options that do not apply are errors --------------------------------------------------------------------------
