@@ -11,6 +11,7 @@ import pytest
 import jaxpar
 import models
 import run
+from jaxpar.cli import Config
 
 
 def refused(args, capsys) -> str:
@@ -82,7 +83,7 @@ def test_inert_checkpoint_and_skip_settings_get_a_note(capsys):
 def test_settings_that_act_get_no_note(tmp_path):
     from jaxpar.cli.notes import run_notes
 
-    config = jaxpar.Config(model="mlp", steps=2, checkpoint_every=5, checkpoint_dir=str(tmp_path / "c"),
+    config = Config(model="mlp", steps=2, checkpoint_every=5, checkpoint_dir=str(tmp_path / "c"),
                            max_skips=3)
     assert run_notes(config) == []
 
@@ -103,7 +104,7 @@ def trainer_for(config):
      "batch['tokens']: got int32 [8, 40]; the transformer model needs integer [B, L + 1] with 1 <= L <= seq_len 16"),
 ])
 def test_a_built_in_model_names_what_its_batch_lacks(model, batch, message):
-    config = jaxpar.Config(model=model, seq_len=16 if model == "transformer" else None)
+    config = Config(model=model, seq_len=16 if model == "transformer" else None)
     trainer = trainer_for(config)
     state = trainer.init(0)
     with pytest.raises(jaxpar.DataError) as raised:

@@ -28,6 +28,15 @@ def fails(argv, capsys) -> str:
     return err
 
 
+def test_config_lives_in_the_cli_and_the_root_name_still_works():
+    import jaxpar.cli
+
+    assert jaxpar.Config is jaxpar.cli.Config is Config and "Config" in jaxpar.__all__
+    from jaxpar import Config as from_the_root
+
+    assert from_the_root is Config
+
+
 # --- one declaration -> flags, help, defaults -------------------------------------------------------------------
 def test_generated_flags_match_the_fields_exactly():
     names = [f.name for f in dataclasses.fields(Config)]
