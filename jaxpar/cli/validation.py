@@ -10,7 +10,7 @@ from jaxpar.checks import is_int
 from jaxpar.cli import strategies
 from jaxpar.cli.defaults import MODEL_OF, applies, resolved
 from jaxpar.cli.options import declared, default_of, shown
-from jaxpar.cli.paths import is_or_inside, profile_folder, writable_folder
+from jaxpar.cli.paths import is_or_inside, profile_folder, trace_folder
 from jaxpar.cli.pipelining import check_repeats, check_stages, spec_stages
 from jaxpar.cli.values import finite_check
 from jaxpar.errors import ConfigError
@@ -114,7 +114,8 @@ def check_combinations(config) -> None:
 
 
 def check_profile(config) -> None:
-    """--profile-dir only with --profile; the folder --profile writes into by default is checked like a given one."""
+    """--profile-dir only with --profile; the folder --profile writes into by default (the --tensorboard folder, or
+    profile/) is checked like a given one."""
     if config.plan and not config.hardware:
         raise ConfigError("--plan: needs --hardware (the profile to plan for: a100-nvlink, a100-ib100, a100-eth10, "
                           "key=value items, or a file from python -m jaxpar.calibrate)")
@@ -124,10 +125,10 @@ def check_profile(config) -> None:
         raise ConfigError(f"--devices {config.devices}: applies only with --plan (a run's devices come from --mesh)")
     if config.profile_dir is not None and config.profile is None:
         raise ConfigError(f"--profile-dir {config.profile_dir!r}: applies only with --profile; add e.g. --profile 2:4")
-    if config.profile is not None and config.profile_dir is None and not config.tensorboard:
+    if config.profile is not None and config.profile_dir is None:
         folder = profile_folder(config)
-        problem = writable_folder("--profile-dir traces/")(f"--profile {config.profile}: its default --profile-dir",
-                                                          folder)
+        problem = trace_folder("--profile-dir traces/")(f"--profile {config.profile}: its default --profile-dir",
+                                                       folder)
         if problem:
             raise ConfigError(problem)
         if config.data and is_or_inside(folder, config.data):
