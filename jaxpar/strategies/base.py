@@ -190,8 +190,8 @@ class StrategyBase:
         self.stragglers.check(ctx.num_replicas)
         if self.local_statistics and mesh_lib.own_names(ctx.mesh):
             raise ConfigError(f"strategy {self.name!r} (allreduce {self.allreduce or 'psum'!r}): its replicas run "
-                              f"in a shard_map over the replica axis, which jaxpar does not build yet on a mesh with the "
-                              f"model's own axis names or Explicit axes ({mesh_lib.shape_line(ctx.mesh)}); use "
+                              f"in a shard_map over the replica axis, which jaxpar does not build yet on a mesh with "
+                              f"the model's own axis names or Explicit axes ({mesh_lib.shape_line(ctx.mesh)}); use "
                               f"jaxpar.Sync() (the compiler's averaging) on this mesh")
         if self.communicator is not None:
             self.communicator.check(ctx.num_replicas)

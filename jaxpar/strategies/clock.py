@@ -73,8 +73,8 @@ class Clock:
             return self._server_time(num_replicas, step_number)
         if self.cost is None and self._uniform(num_replicas):
             # every replica takes one unit per step and communication is free: the simulator's clock is the step
-            # count (tests/strategies/test_simulator.py checks it against `simulate`); spares `trainer.step` the simulator's
-            # per-update work, about 20-100 us on the host per step
+            # count (tests/strategies/test_simulator.py checks it against `simulate`); spares `trainer.step` the
+            # simulator's per-update work, about 20-100 us on the host per step
             return float(step_number + 1)
         stream, times = self._times.get(num_replicas) or (None, array.array("d"))
         if stream is None:

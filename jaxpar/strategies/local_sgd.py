@@ -239,7 +239,8 @@ class DiLoCo(LocalSGD):
         return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
                    **cls._common(options), compress=options.get("compress"))
 
-    def __init__(self, period: int = LocalSGD.DEFAULT_PERIOD, outer_optimizer: optax.GradientTransformation | None = None, *,
+    def __init__(self, period: int = LocalSGD.DEFAULT_PERIOD,
+                 outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers,

@@ -194,5 +194,5 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
 def check_update_count(num_updates: int) -> None:
     if num_updates > MAX_SIMULATED_UPDATES:  # a server schedule is held whole before training
         raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
-                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
-                          f"or fewer")
+                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} "
+                          f"{MAX_SIMULATED_UPDATES} or fewer")

@@ -37,8 +37,8 @@ class Stragglers:
         """A slow replica must exist on the data axis; caught here because the spec is parsed before the mesh."""
         for replica in self.slowdown:
             if not 0 <= replica < num_replicas:
-                raise OptionError("stragglers", self.spec or self.slowdown, f"replica {replica} does not exist; the data axis has "
-                                  f"size {num_replicas}, so use replicas 0..{num_replicas - 1}")
+                raise OptionError("stragglers", self.spec or self.slowdown, f"replica {replica} does not exist; the "
+                                  f"data axis has size {num_replicas}, so use replicas 0..{num_replicas - 1}")
         return self
 
     def factors(self, num_replicas: int) -> np.ndarray:
