@@ -1,9 +1,9 @@
 """jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh.
 
 The public API is what this module exports. The packages show the parts: `parallel` (mesh, partitioning,
-collectives), `strategies` (how replicas agree), `train` (state, step, Trainer, loop, actions), `cost` (HLO,
-hardware profiles, simulator, explain), `io` (data, checkpoints, metrics, reports), `runtime` (processes and
-devices) and `cli` (what `run.py` runs).
+collectives), `strategies` (how replicas agree, and their simulated clock), `train` (state, step, Trainer, loop,
+actions), `cost` (HLO, hardware profiles, explain), `io` (data, checkpoints, metrics, reports), `runtime`
+(processes and devices) and `cli` (what `run.py` runs).
 """
 
 import sys

@@ -14,7 +14,7 @@ from jaxpar.cli import paths
 from jaxpar.cli.options import APPLIES_TO, MODELS, STRATEGIES, strategy_default
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cost.hardware import parse_hardware
-from jaxpar.cost.simulator import parse_stragglers
+from jaxpar.strategies.stragglers import parse_stragglers
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.collectives import check_allreduce
 from jaxpar.parallel.compression import parse_codec

@@ -34,7 +34,7 @@ def codec_of(communicator):
 def gradient_shapes(trainer) -> list[tuple]:
     """The per-device gradient shapes the trainer's codec encodes: each device's shard for the elementwise codecs
     (they run per shard), the whole arrays for PowerSGD (the compiler shards its matmuls)."""
-    per_shard = getattr(trainer.strategy.communicator, "per_shard", True)
+    per_shard = getattr(trainer.ctx.communicator, "per_shard", True)
     out = []
     for leaf in jax.tree.leaves(trainer.abstract_state(neutral=True).params):
         sharding = getattr(leaf, "sharding", None)
@@ -50,7 +50,7 @@ def gradient_splits(trainer) -> list[tuple] | None:
     from jaxpar.parallel import mesh as mesh_lib
     from jaxpar.parallel import partitioning as shd
 
-    if getattr(trainer.strategy.communicator, "per_shard", True) or mesh_lib.size(
+    if getattr(trainer.ctx.communicator, "per_shard", True) or mesh_lib.size(
             trainer.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return None
     return [shd.within_replica_splits(leaf.sharding, leaf.ndim)
@@ -136,7 +136,7 @@ def compiled_step_cost(trainer, compiled, gradients: bool, exchanges: bool):
     from jaxpar.cost.hardware import compiled_cost
 
     profile = trainer.hardware
-    codec = codec_of(trainer.strategy.communicator)
+    codec = codec_of(trainer.ctx.communicator)
     if codec is None:
         return compiled_cost(compiled, trainer.mesh, profile, gradients)
     cost = compiled_cost(compiled, trainer.mesh, replace(profile, wire="float32"), gradients)
@@ -178,7 +178,7 @@ def theory_text(codec, shapes, n: int) -> str:
 def report(trainer, float32_bytes: float) -> dict | None:
     """The codec's part of an `--explain` variant: its name, the bytes its exchange sends per device against the
     float32 exchange's (`float32_bytes`, theory), theory's words, and its FLOPs per device by kind."""
-    communicator = trainer.strategy.communicator
+    communicator = trainer.ctx.communicator
     codec = codec_of(communicator)
     n = trainer.num_replicas
     if codec is None or n <= 1:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpar.cost import fit as fitting
-from jaxpar.cost import codecs, pipelines, topology
+from jaxpar.cost import codecs, pipelines, strategy_costs, topology
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.names import named_leaves
@@ -86,7 +86,7 @@ def _variants(trainer) -> dict[str, dict]:
     """The step variants the strategy runs, with the inputs of one step of each and its share of the steps."""
     strategy, ctx = trainer.strategy, trainer.ctx
     first = strategy.plan(ctx, 0)
-    shares = strategy.variant_shares()
+    shares = strategy_costs.variant_shares(strategy, ctx)
     inputs = {variant: first.inputs if first.variant == variant else {} for variant in shares}
     return {v: {"inputs": inputs[v], "share": shares[v]} for v in shares}
 
@@ -114,15 +114,16 @@ _ALGORITHM_LABELS = {"psum": "bandwidth-optimal all-reduce, 2(N-1)/N x B", "ring
 
 def theory(trainer, variant: str, blocks: int | None = None, batch=None) -> list[dict]:
     """What the strategy and mesh should send per device in one step of `variant`, line by line: the strategy's
-    exchanges over the replica axis (`strategy.theory`), ZeRO-3 over fsdp (its gradient third the codec's fsdp leg
-    where one applies to global batches shaped like `batch`: `codecs.fsdp_leg`), tensor parallelism over model."""
+    exchanges over the replica axis (`strategy_costs.theory`), ZeRO-3 over fsdp (its gradient third the codec's
+    fsdp leg where one applies to global batches shaped like `batch`: `codecs.fsdp_leg`), tensor parallelism over
+    model."""
     mesh, strategy = trainer.mesh, trainer.strategy
     n = mesh_lib.replica_count(mesh)
-    communicator = strategy.communicator
+    communicator = trainer.ctx.communicator
     algorithm = communicator.name if communicator is not None else "psum"
     torus_x = getattr(communicator, "torus_x", None)
     lines = []
-    for expected in (strategy.theory(trainer.ctx, variant, _gradient_bytes(trainer)) if n > 1 else []):
+    for expected in (strategy_costs.theory(strategy, variant, _gradient_bytes(trainer)) if n > 1 else []):
         grad = expected.bytes
         t = theoretical_traffic(algorithm, n, grad, torus_x)
         grid = topology.torus_note(strategy, mesh, trainer.hardware)
@@ -168,9 +169,9 @@ def theory(trainer, variant: str, blocks: int | None = None, batch=None) -> list
 def _expected(op, variant: str, trainer) -> bool:
     """Whether theory explains a collective: an unexpected one (e.g. an all-gather over data) is flagged."""
     axes = set(op.axes or ())
-    communicator = trainer.strategy.communicator
+    communicator = trainer.ctx.communicator
     explicit = communicator is not None and not communicator.native
-    local = not trainer.strategy.theory(trainer.ctx, variant, 0)  # a variant that exchanges nothing over data
+    local = not strategy_costs.theory(trainer.strategy, variant, 0)  # a variant that exchanges nothing over data
     if DATA in axes and local:
         # a local step sends nothing between replicas; with several processes, only its scalar metric means
         return op.bytes <= 64 and op.kind == "all-reduce" and jax.process_count() > 1
@@ -258,6 +259,9 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
     parameters = sum(math.prod(p["shape"]) for p in out["plan"]["parameters"])
     tokens = _tokens(batch)
     out["parameters"] = parameters
+    assumed = strategy_costs.assumption(trainer.strategy)  # a strategy the cost table does not know
+    if assumed:
+        out["assumed"] = assumed
     out["model_flops_per_token"] = 6 * parameters if tokens else None
     for variant, facts in _variants(trainer).items():
         given = (compiled or {}).get(variant)
@@ -300,18 +304,18 @@ def project(variants: dict, trainer) -> dict:
     variants weighted by their share of steps); the others from the parts of its exchanging variant (compute, the
     collectives within a replica, the exchange over data) and its local variant if it has one (else a local step is
     taken to be compute and within-replica collectives only), with no stragglers. Each strategy prices its own
-    pattern (`project`)."""
-    own, ctx = trainer.strategy, trainer.ctx
+    pattern (`strategy_costs.project`)."""
+    own = trainer.strategy
     result = {own.name: {"seconds": sum(v["projected_seconds"]["step"] * (v["share"] or 0)
                                         for v in variants.values()),
                          "how": "this run's compiled variants, weighted by their share of steps"}}
-    exchanging = [name for name in variants if own.theory(ctx, name, 0)]
+    exchanging = [name for name in variants if strategy_costs.theory(own, name, 0)]
     if not exchanging:
         return result
     full_entry = variants[exchanging[0]]
     over_data, _ = _exchange_seconds(full_entry)
     full = full_entry["projected_seconds"]["step"]
-    quiet = [name for name in variants if not own.theory(ctx, name, 0)]
+    quiet = [name for name in variants if not strategy_costs.theory(own, name, 0)]
     hidden = full_entry["projected_seconds"].get("overlap", 0.0)  # only the exchange over data was hidden
     local = variants[quiet[0]]["projected_seconds"]["step"] if quiet else full - over_data + hidden
     # a meeting averages parameters after its step, so none of its exchange hides under the backward pass: a
@@ -319,8 +323,9 @@ def project(variants: dict, trainer) -> dict:
     meeting = full if quiet else full + hidden
     for name, cls in REGISTRY.items():
         if name != own.name:
-            periodic = "sync_period" in getattr(cls, "OPTIONS", {})  # local SGD, DiLoCo: they meet every H steps
-            seconds, how = cls.project(meeting if periodic else full, local, own.period)
+            periodic = strategy_costs.periodic(cls)  # local SGD, DiLoCo: they meet every H steps
+            seconds, how = strategy_costs.project(cls, meeting if periodic else full, local,
+                                                  strategy_costs.period(own))
             result[name] = {"seconds": seconds, "how": how}
     return result
 
@@ -338,6 +343,8 @@ def format_explain(report: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [f"jaxpar explain: strategy {report['strategy']} on mesh {mesh} ({report['devices']} devices); "
              f"{report['parameters']:,} parameters; nothing was trained"]
+    if report.get("assumed"):
+        lines.append(f"assumed: {report['assumed']}")
     if report["model_flops_per_token"]:
         lines.append(f"model FLOPs per token: {report['model_flops_per_token']:,} (6 x parameters: forward and "
                      f"backward, the usual estimate; the compiled count per token is under each variant)")

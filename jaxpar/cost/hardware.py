@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import NamedTuple
 
 from jaxpar.cost import pricing
 from jaxpar.cost.profile_json import NATIVE_ALLREDUCES, check_profile, load_profile, save_profile  # noqa: F401
 from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.strategies.simulation import StepCost  # the price of a step, as the strategies' clock reads it
 
 BACKWARD_SHARE = 2 / 3  # the backward pass's share of a step's compute (2 of the 3 matmuls per layer)
 DEFAULT_BUCKET = 25e6  # bytes per gradient bucket: PyTorch DDP's bucket_cap_mb default (25 MB)
@@ -266,23 +266,6 @@ def collective_seconds(op, profile: Profile) -> float:
     """Seconds of one `jaxpar.cost.hlo.Collective` on `profile` in one step (`jaxpar.cost.pricing`): one run's price
     times `op.runs`, the times it runs per step (an op in a pipeline's ticks runs every tick)."""
     return pricing.collective_seconds(op, profile)
-
-
-class StepCost(NamedTuple):
-    """Simulated seconds of one step variant: a full-speed replica's compute, its collectives, and the part of them
-    hidden under the backward pass (`overlap`); a step takes compute + comm - overlap."""
-
-    compute: float = 1.0
-    comm: float = 0.0
-    overlap: float = 0.0
-
-    @property
-    def exposed(self) -> float:
-        """The communication a step waits for: comm - overlap."""
-        return self.comm - self.overlap
-
-
-UNIT = StepCost()  # no profile: one unit of compute per step, communication free (sim_time = the step count)
 
 
 def compiled_cost(compiled, mesh, profile: Profile, gradients: bool = True) -> StepCost:

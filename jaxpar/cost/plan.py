@@ -11,7 +11,7 @@ How a plan is priced (the cost model of `jaxpar.explain`, see docs/cost-model.md
   allreduce replaces the compiled gradient all-reduce over data by the algorithm's textbook traffic
   (`theoretical_traffic`: steps x alpha + bytes / bandwidth on the data link); local SGD and DiLoCo with period H
   take (H - 1) local steps (the compiled step minus its exchange over data) and one meeting (the whole step)
-  per H (`Strategy.project`). Their memory is the compiled step's with the train state swapped for the
+  per H (`jaxpar.cost.strategy_costs.project`). Their memory is the compiled step's with the train state swapped for the
   strategy's own (`Trainer.state_bytes_per_device`, from shapes only). Sync with an explicit allreduce and a codec
   (`codecs`, default bf16, int8, powersgd:4) replaces it by the codec's exchange (its payload's textbook traffic)
   on each collective kind's own link, plus the codec's compute (calibrated, else at the sustained FLOP/s) and the
@@ -232,6 +232,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
 
     from jaxpar.cost.explain import explain
     from jaxpar.cost.fit import budget_of
+    from jaxpar.cost import strategy_costs
     from jaxpar.cost.hardware import parse_hardware
     from jaxpar.errors import ConfigError
     from jaxpar.parallel.mesh import make_mesh, replica_count
@@ -306,7 +307,7 @@ def plan(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devices
             elif how[0] == "period":
                 if replicas <= 1:
                     continue
-                seconds = how[1].project(compute + comm, compute + comm - exchange, how[2])[0]
+                seconds = strategy_costs.project(how[1], compute + comm, compute + comm - exchange, how[2])[0]
             else:
                 seconds = compute + comm - hidden
             try:

@@ -1,17 +1,19 @@
-"""How data replicas agree on parameters. Each strategy is a small object of pure functions (see `base.py`).
+"""How data replicas agree on parameters. Each strategy is a small object of pure functions (the `Strategy`
+protocol in `base.py`); `clock.py`, `simulation.py` and `stragglers.py` are the simulated clock they run on.
 
 Each strategy class declares its own facts once: `OPTIONS` (the config fields specific to it and their defaults;
 `COMMON_OPTIONS` apply to every strategy) and `local_statistics` (replicas compute on their own slice, so
 BatchNorm statistics are per replica). Config and the CLI read these and never decide them again.
 """
 
-from jaxpar.strategies.base import BN_LOCAL, BN_SYNC, Expected, Plan, StepContext, Strategy, Variant
+from jaxpar.strategies.base import BN_LOCAL, BN_SYNC, Plan, StepContext, Strategy, StrategyBase, Variant
 from jaxpar.strategies.local_sgd import DiLoCo, LocalSGD
 from jaxpar.strategies.stale import ASP, SSP
 from jaxpar.strategies.sync import Sync
 
-__all__ = ["ASP", "BN_LOCAL", "BN_SYNC", "COMMON_OPTIONS", "DiLoCo", "Expected", "LocalSGD", "Plan", "REGISTRY", "SSP",
-           "StepContext", "Strategy", "Sync", "Variant", "WHOLE_BATCH", "from_config", "option_default"]
+__all__ = ["ASP", "BN_LOCAL", "BN_SYNC", "COMMON_OPTIONS", "DiLoCo", "LocalSGD", "Plan", "REGISTRY", "SSP",
+           "StepContext", "Strategy", "StrategyBase", "Sync", "Variant", "WHOLE_BATCH", "from_config",
+           "option_default"]
 
 REGISTRY = {cls.name: cls for cls in (Sync, LocalSGD, DiLoCo, SSP, ASP)}
 # Strategies whose step, with no allreduce given, is one jit over the whole global batch (the compiler averages,

@@ -13,6 +13,7 @@ from jaxpar.cost import codecs
 from jaxpar.cost import plan as advisor
 from jaxpar.cost.explain import format_explain
 from jaxpar.cost.hardware import Link, parse_hardware
+from jaxpar.cost.strategy_costs import variant_shares
 from jaxpar.parallel.mesh import FSDP_AXIS
 from tests.helpers import batch_for, trainer_for
 from tests.parallel.test_compression_fsdp import fsdp_gradient_bytes
@@ -53,7 +54,7 @@ def test_explains_fsdp_theory_carries_the_codecs_leg_within_5_percent_of_the_hlo
 def test_no_leg_where_the_codec_does_not_compress_the_fsdp_reduction():
     # local SGD's codec is for its meetings; its steps keep the fsdp pmean
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.LocalSGD(period=2, compress="int8"))
-    for variant in trainer.strategy.variant_shares():
+    for variant in variant_shares(trainer.strategy):
         assert codecs.fsdp_leg(trainer, variant, batch_for("mlp", 16)) is None, variant
     # rows that do not split over fsdp: 2 per replica over fsdp=4 (the partitioner's reduction, uncompressed)
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.Sync("psum", compress="int8"))

@@ -1,16 +1,17 @@
-"""The simulated clock of every strategy: one event simulation of replicas, a server and the staleness rule.
+"""The event simulation behind every strategy's clock: replicas, a server and the staleness rule.
 
 The mesh runs its devices in lock step, so time is simulated on the host (the semantics:
-docs/strategies.md, "Emulated asynchrony (SSP / ASP)"). `simulate` is the one event
-simulator behind `sim_time` for every strategy:
+docs/strategies.md, "Emulated asynchrony (SSP / ASP)"). `simulate` is the one event simulator behind `sim_time`
+for every strategy (`jaxpar.strategies.clock`); the straggler profile is `jaxpar.strategies.stragglers`:
 
 - replica i's k-th step costs `c_ik x compute(variant)` seconds, c_ik its straggler factor (with jitter) and
-  `compute` the variant's full-speed time (1.0 without a hardware profile; FLOPs / peak with one);
+  `compute` the variant's full-speed time (`StepCost`: 1.0 without a price; the cost model's FLOPs / peak with a
+  hardware profile);
 - replicas deliver into a pending set; the server applies the set as one update unless that would push some
   in-flight gradient's staleness over the bound S (0 = every replica, every update: BSP = sync SGD; None = ASP);
-- an update's communication (`comm(variant)`, the alpha-beta cost of the collectives its compiled step contains;
-  0 without a profile) stops the world: the update completes `comm` later and every replica still computing is
-  delayed as much. So who delivers, and how stale, never depends on the profile: only when;
+- an update's communication (`StepCost.exposed`: the cost model's alpha-beta price of the collectives its
+  compiled step contains; 0 without a price) stops the world: the update completes `comm` later and every replica
+  still computing is delayed as much. So who delivers, and how stale, never depends on the profile: only when;
 - a round may hold several steps per replica (local SGD: H - 1 local steps, then the meeting); a local step's own
   collectives (scalar metric means) add to that replica's time without a barrier. Between meetings there is no
   common clock, so those steps report the mean of the replicas' clocks.
@@ -34,105 +35,35 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 from jaxpar.checks import check_int, int_problem
 from jaxpar.errors import ConfigError, OptionError
+from jaxpar.strategies.stragglers import Stragglers, parse_stragglers  # noqa: F401  (the doctest's parse_stragglers)
 
 # Arrivals closer than this are the same instant: sums of float compute times may differ in the last bits.
 TIME_TOLERANCE = 1e-9
-
-# Bounds that keep every simulated time finite (and sane) over any run: a compute time is at most
-# MAX_SLOWDOWN x e^(MAX_JITTER x |z|); |z| > 9 has probability < 1e-18 per draw, and exp overflows only past 709.
-MAX_SLOWDOWN = 1e6
-MAX_JITTER = 10.0
 MAX_SIMULATED_UPDATES = 10 ** 6  # ~35 s and ~200 MB of host time and memory on this machine
 
-_SPEC_HELP = ("expected comma-separated REPLICA:SLOWDOWN items plus optional jitter=J and seed=N, "
-              "e.g. '3:2.0,5:1.5,jitter=0.1'")
+
+class StepCost(NamedTuple):
+    """Simulated seconds of one step variant: a full-speed replica's compute, its collectives, and the part of them
+    hidden under the backward pass (`overlap`); a step takes compute + comm - overlap. The cost model
+    (`jaxpar.cost.hardware`) prices a compiled step as one; without a price every step is `UNIT`."""
+
+    compute: float = 1.0
+    comm: float = 0.0
+    overlap: float = 0.0
+
+    @property
+    def exposed(self) -> float:
+        """The communication a step waits for: comm - overlap."""
+        return self.comm - self.overlap
 
 
-@dataclass(frozen=True)
-class Stragglers:
-    """A straggler profile: replica -> slowdown factor (others 1.0), log-normal jitter and the seed of that jitter."""
-
-    slowdown: dict[int, float] = field(default_factory=dict, hash=False)  # a dict is unhashable; equality still uses it
-    jitter: float = 0.0  # std of the log of each compute time: c = slowdown * exp(jitter * z), z ~ N(0, 1)
-    seed: int = 0  # the jitter's random stream; same seed -> same schedule
-    spec: str = field(default="", compare=False)  # as written, for messages
-
-    def check(self, num_replicas: int) -> "Stragglers":
-        """A slow replica must exist on the data axis; caught here because the spec is parsed before the mesh."""
-        for replica in self.slowdown:
-            if not 0 <= replica < num_replicas:
-                raise OptionError("stragglers", self.spec or self.slowdown, f"replica {replica} does not exist; the data axis has "
-                                  f"size {num_replicas}, so use replicas 0..{num_replicas - 1}")
-        return self
-
-    def factors(self, num_replicas: int) -> np.ndarray:
-        """The slowdown of every replica as a [num_replicas] array (1.0 where the profile says nothing)."""
-        self.check(num_replicas)
-        out = np.ones(num_replicas)
-        for replica, factor in self.slowdown.items():
-            out[replica] = factor
-        return out
-
-
-def parse_stragglers(spec: str | None) -> Stragglers:
-    """Parses the `--stragglers` flag: "3:2.0,5:1.5,jitter=0.1,seed=7". None or "" means nobody is slow."""
-    if spec is None or not spec.strip():
-        return Stragglers()
-    slowdown: dict[int, float] = {}
-    jitter, seed = 0.0, 0
-
-    def bad(why: str) -> ConfigError:
-        return OptionError("stragglers", spec, why)
-
-    for raw in spec.split(","):
-        item = raw.strip()
-        key, sep, value = item.partition("=") if "=" in item else item.partition(":")
-        key, value = key.strip(), value.strip()
-        try:
-            if sep == "=" and key == "jitter":
-                jitter = float(value)
-            elif sep == "=" and key == "seed":
-                seed = int(value)
-            elif sep == ":":
-                replica, factor = int(key), float(value)
-            else:
-                raise ValueError(item)
-        except ValueError:
-            raise bad(f"cannot read {item!r}; {_SPEC_HELP}") from None
-        if key == "jitter" and not 0 <= jitter <= MAX_JITTER:
-            raise bad(f"jitter {value} must be a finite number >= 0 and at most {MAX_JITTER:g} (the std of the log "
-                      f"of a compute time; {MAX_JITTER:g} already spreads times over e^+-{3 * MAX_JITTER:g}), "
-                      f"e.g. jitter=0.1")
-        if key == "seed" and seed < 0:
-            raise bad(f"seed {value} must be an integer >= 0, e.g. seed=7")
-        if sep == ":":
-            if replica < 0:
-                raise bad(f"replica {replica} must be >= 0 (a data-axis index)")
-            if replica in slowdown:
-                raise bad(f"replica {replica} is given twice; give each replica one slowdown")
-            if not 0 < factor <= MAX_SLOWDOWN:
-                raise bad(f"slowdown {value} of replica {replica} must be a finite number > 0 and at most "
-                          f"{MAX_SLOWDOWN:g} (2.0 = twice as slow), e.g. {replica}:2.0")
-            slowdown[replica] = factor
-    return Stragglers(slowdown, jitter, seed, spec)
-
-
-def compute_times(stragglers: Stragglers, num_replicas: int, count: int) -> np.ndarray:
-    """[count, num_replicas] simulated seconds; replica i's k-th gradient costs row k, column i.
-
-    Rows are drawn in order from one seeded stream, so the first k rows do not depend on `count`: a longer
-    simulation extends a shorter one instead of reshuffling it.
-    """
-    factors = stragglers.factors(num_replicas)
-    z = np.random.default_rng(stragglers.seed).standard_normal((count, num_replicas))
-    return 1.0 * factors * np.exp(stragglers.jitter * z)
+UNIT = StepCost()  # no price: one unit of compute per step, communication free (sim_time = the step count)
 
 
 class Update(NamedTuple):
@@ -157,7 +88,7 @@ CHUNK_ROWS = 4096  # rows of compute times drawn at a time
 
 class _Rows:
     """Row k = every replica's straggler factor for its k-th step, drawn lazily CHUNK_ROWS at a time from one seeded
-    stream (the same numbers as one `compute_times` call); rows every replica has used are dropped."""
+    stream (the same numbers as one `stragglers.compute_times` call); rows every replica has used are dropped."""
 
     def __init__(self, stragglers: Stragglers, num_replicas: int):
         self._factors = stragglers.factors(num_replicas)
@@ -179,24 +110,19 @@ class _Rows:
             self._first = step
 
 
-def _unit_cost(variant: str):
-    from jaxpar.cost.hardware import UNIT
-    return UNIT
-
-
 def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None = 0, rounds=None, cost=None):
     """Every step of a run, lazily and in order, as `Update`s (see the module docstring).
 
     `rounds(u)` -> the step variants each replica runs for update u, the last of which carries the update
-    (default: one step named "step"); a round of several steps needs staleness_bound 0. `cost(variant)` -> a
-    `jaxpar.cost.hardware.StepCost` (default: one unit of compute, free communication). Workers start on version 0 at
+    (default: one step named "step"); a round of several steps needs staleness_bound 0. `cost(variant)` -> its
+    `StepCost` (default: `UNIT`, one unit of compute, free communication). Workers start on version 0 at
     t = 0; after an update, exactly the delivering workers start their next round, on the new version. The bound
     holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
     """
     bound = _check_staleness(staleness_bound)
     check_int("num_replicas (the data-axis size)", num_replicas, 1)
     rounds = rounds or (lambda update: ("step",))
-    cost = cost or _unit_cost
+    cost = cost or (lambda variant: UNIT)
     rows = _Rows(stragglers, num_replicas)
     replicas = range(num_replicas)
     tolerance = TIME_TOLERANCE * cost(rounds(0)[-1]).compute
@@ -268,5 +194,5 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
 def check_update_count(num_updates: int) -> None:
     if num_updates > MAX_SIMULATED_UPDATES:  # a server schedule is held whole before training
         raise OptionError("steps", num_updates, f"too many for ssp / asp, whose schedule is simulated on the host "
-                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} {MAX_SIMULATED_UPDATES} "
-                          f"or fewer")
+                          f"up front (at most {MAX_SIMULATED_UPDATES:,} updates); use {{steps}} "
+                          f"{MAX_SIMULATED_UPDATES} or fewer")
