@@ -6,5 +6,5 @@ from jaxpar.advisor.candidates import (DEFAULT_CODECS, DEFAULT_PERIODS, DEFAULT_
                                        mesh_specs)
 from jaxpar.advisor.ranking import lines
 
-__all__ = ["DEFAULT_CODECS", "MAX_DEVICES", "DEFAULT_PERIODS", "DEFAULT_REMATS", "Candidate", "Search", "advise", "factorizations",
-           "lines", "mesh_specs"]
+__all__ = ["DEFAULT_CODECS", "DEFAULT_PERIODS", "DEFAULT_REMATS", "MAX_DEVICES", "Candidate", "Search", "advise",
+           "factorizations", "lines", "mesh_specs"]

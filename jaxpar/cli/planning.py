@@ -1,6 +1,6 @@
 """`run.py --plan --hardware PROFILE [--devices N]`: the plan advisor (`jaxpar.advisor`) on the configured model,
-optimizer and global batch, for N devices (default: as many as --mesh uses); prints the ranked plans with the flags that run them; nothing trains and nothing is
-written."""
+optimizer and global batch, for N devices (default: as many as --mesh uses); prints the ranked plans with the flags
+that run them; nothing trains and nothing is written."""
 
 from __future__ import annotations
 

@@ -98,9 +98,9 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
     With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing.
-    `fit`: also what fits a device (`jaxpar.cost.memory_fit.what_fits`: every remat policy at two batch sizes, compiled, and
-    the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step} already
-    compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""
+    `fit`: also what fits a device (`jaxpar.cost.memory_fit.what_fits`: every remat policy at two batch sizes,
+    compiled, and the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step}
+    already compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""
     profile, mesh = trainer.hardware, trainer.mesh
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_layout(trainer), "variants": {},

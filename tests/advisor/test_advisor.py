@@ -1,5 +1,6 @@
-"""The plan advisor (`jaxpar.advisor`, `jaxpar.plan`, `run.py --plan`): where the best plan is obvious it comes first, a plan
-that does not fit a device ranks after every one that does, each plan's flags run it, and bad flags are one line."""
+"""The plan advisor (`jaxpar.advisor`, `jaxpar.plan`, `run.py --plan`): where the best plan is obvious it comes
+first, a plan that does not fit a device ranks after every one that does, each plan's flags run it, and bad flags
+are one line."""
 
 import os
 

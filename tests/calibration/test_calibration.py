@@ -60,7 +60,8 @@ def test_a_latency_below_the_noise_is_zero_and_said():
     link = links.link_from_line("all-reduce", 2, line)
     assert link["alpha"] == 0.0 and "negative intercept" in link["note"]
     # times that do not grow with the size: the largest message bounds the bandwidth, the smallest gives alpha
-    flat = links.link_from_line("all-reduce", 2, links.least_squares_line([1000, 2000], [3e-6, 2e-6]), [1000, 2000], [3e-6, 2e-6])
+    flat = links.link_from_line("all-reduce", 2, links.least_squares_line([1000, 2000], [3e-6, 2e-6]), [1000, 2000],
+                                [3e-6, 2e-6])
     assert flat["bandwidth"] == 1.0 * 2000 / 3e-6 and flat["alpha"] == 2e-6 / 2 and "lower bound" in flat["note"]
 
 
