@@ -110,8 +110,7 @@ class Profile:
         return profile_from_dict(data)
 
 
-
-def profile_from_dict(data: dict):
+def profile_from_dict(data: dict) -> Profile:
     """A `Profile` from its `to_dict` form; a missing or malformed field raises ValueError naming it."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
@@ -150,7 +149,7 @@ def profile_from_dict(data: dict):
     return check_profile(Profile(**fields))
 
 
-def check_profile(profile):
+def check_profile(profile: Profile) -> Profile:
     """Refuses a profile whose numbers cannot price anything (ValueError naming the field)."""
     def positive(value, what, zero=False):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
