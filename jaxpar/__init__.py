@@ -10,7 +10,7 @@ import sys
 
 from jaxpar.cli.config import Config
 from jaxpar.cost.explain import explain, format_explain
-from jaxpar.cost.plan import plan
+from jaxpar.advisor import advise as plan
 from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
 from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError,
                            OptionError, ResourceError, ShardingError, StateError)

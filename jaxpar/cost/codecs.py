@@ -4,9 +4,9 @@ the data link, its own compute, and the theory `--explain` states for it.
 - Bytes: `CompressedCommunicator.traffic` (the codec's payload per collective, sent by the chosen algorithm).
 - Seconds of the exchange (the plan advisor, which does not compile codecs): per collective, steps x alpha +
   bytes sent / bandwidth on the data link of that collective's kind (`link_kind`: a hand-written algorithm's
-  collectives are ppermutes), as `jaxpar.cost.plan` prices an uncompressed hand-written all-reduce.
+  collectives are ppermutes), as `jaxpar.advisor` prices an uncompressed hand-written all-reduce.
 - Compute: measured where the profile calibrated the codec (`Profile.codecs`, seconds per gradient element with
-  every device busy, `python -m jaxpar.calibrate`; `jaxpar.cost.codec_calibration`); else the codec's
+  every device busy, `python -m jaxpar.calibrate`; `jaxpar.calibration.codecs`); else the codec's
   `flops(shapes, n)` (elementwise encode / decode, PowerSGD's matmuls 6 n m R and its
   orthogonalisation about 4 n R^2 per matrix) at the profile's sustained FLOP/s. A compiled step's FLOPs already
   hold what XLA counts of the codec (its elementwise work and matmuls), so `compiled_step_cost` adds only what XLA

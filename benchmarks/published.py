@@ -1,6 +1,6 @@
 """Published scaling results projected with jaxpar's own cost model, every input a cited fact or a marked assumption.
 
-`python -m jaxpar.cost.published` prints the table (docs/cost-model.md holds it). Each row is a synchronous
+`python -m benchmarks.published` prints the table (docs/cost-model.md holds it). Each row is a synchronous
 data-parallel step of a CNN: a gradient all-reduce of (parameters x 4 bytes) over the GPUs, priced by
 `jaxpar.cost.hardware.step_cost` on a `Profile` with nodes, exactly as `--explain` and `sim_time` price a compiled
 step (the same `jaxpar.cost.pricing` formulas and overlap model), on one `jaxpar.cost.hlo.Collective` standing for

@@ -11,7 +11,7 @@ error feedback as configured, inside a loop of K trips whose carry is the mean (
 one). The exchange is replaced by a local one that sends nothing: a sum is x times N, a gather stacks N copies (each
 offset, so the compiler cannot fold them), over `replicas` = N (default: the mesh's devices); fp16's scale pmax
 stays a (scalar) collective over the mesh's first axis. The loop's one-trip time is
-`jaxpar.cost.calibration.time_loop`'s (K = 1 and 1 + trips, the fastest of the repeats, the difference per trip).
+`jaxpar.calibration.timing.time_loop`'s (K = 1 and 1 + trips, the fastest of the repeats, the difference per trip).
 
 Stored per codec: seconds per element, the codec's FLOPs per element in that measurement (`codec.flops`), and N.
 `jaxpar.cost.codecs.compute_seconds` prices a codec at its FLOPs x (seconds / FLOPs) measured here, so int8's
@@ -22,6 +22,14 @@ from __future__ import annotations
 
 import math
 from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.calibration.timing import per_device, time_loop
+from jaxpar.cost.codecs import flops
+from jaxpar.parallel.compression import parse_codec
 
 CODECS = ("bf16", "fp16", "int8", "powersgd:4")  # the plan advisor's codecs (and fp16)
 ELEMENTS = 1 << 18  # per device for the elementwise codecs: 1 MiB of float32
@@ -44,9 +52,6 @@ class _LocalExchange:
         return None  # whole arrays: nothing is split inside a replica here
 
     def gather(self, tree):
-        import jax
-        import jax.numpy as jnp
-
         return jax.tree.map(lambda x: jnp.stack([x + jnp.asarray(i, x.dtype) for i in range(self.n)]), tree)
 
 
@@ -57,15 +62,9 @@ def shape_of(codec) -> tuple:
 
 def codec_seconds_measured(mesh, name: str, replicas: int, trips: int = 8, repeats: int = 3) -> float:
     """Seconds of one encode + decode (`codec.mean` with a local exchange) of `shape_of(codec)` on every device."""
-    import jax
-    import numpy as np
-
-    from jaxpar.cost.calibration import _per_device, time_loop
-    from jaxpar.parallel.compression import parse_codec
-
     codec = parse_codec(name)
     shape = shape_of(codec)
-    zeros, spec = _per_device(mesh, shape, np.float32)
+    zeros, spec = per_device(mesh, shape, np.float32)
     values = np.random.default_rng(0).standard_normal(zeros.shape).astype(np.float32)
     x = jax.device_put(values, zeros.sharding)
     axis = mesh.axis_names[0]
@@ -91,9 +90,6 @@ def calibrate_codecs(mesh, codecs=CODECS, replicas: int | None = None, trips: in
                      measure: Callable | None = None, progress=None) -> dict:
     """{codec name: {"seconds_per_element", "flops_per_element", "replicas"}} (`Profile.codecs`). `measure(name,
     replicas) -> seconds of one encode + decode of shape_of(codec)` replaces the measurement (tests)."""
-    from jaxpar.cost.codecs import flops
-    from jaxpar.parallel.compression import parse_codec
-
     n = replicas or mesh.size
     measure = measure or (lambda name, r: codec_seconds_measured(mesh, name, r, trips, repeats))
     out = {}

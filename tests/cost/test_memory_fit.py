@@ -1,5 +1,5 @@
-"""What fits a device (`jaxpar.cost.fit`, `explain(..., fit=True)`, `run.py --explain`): per remat policy the compiled
-memory and FLOPs, the largest batch, and a suggestion that holds when compiled."""
+"""What fits a device (`jaxpar.cost.memory_fit`, `explain(..., fit=True)`, `run.py --explain`): per remat policy the
+compiled memory and FLOPs, the largest batch, and a suggestion that holds when compiled."""
 
 import jax
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 import jaxpar
 import models
 import run
-from jaxpar.cost import fit
+from jaxpar.cost import memory_fit as fit
 from jaxpar.train.remat import REMATS
 from tests.helpers import TINY
 
@@ -41,7 +41,7 @@ def test_batch_unit_covers_the_batch_axes_the_replicas_accumulation_and_microbat
 def measured():
     """Each policy's compiled memory at 16 rows, from an advice with a budget that fits everything."""
     trainer = transformer(hardware="a100-nvlink")
-    return trainer, fit.advise(trainer, batch_of(trainer, 16), "sync")
+    return trainer, fit.what_fits(trainer, batch_of(trainer, 16), "sync")
 
 
 def test_each_policy_is_compiled_under_its_own_remat(measured):
@@ -66,7 +66,7 @@ def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured)
     trainer, before = measured
     p = before["policies"]
     budget = (p["none"]["bytes"] + min(q["bytes"] for q in p.values())) / 2  # none does not fit, the leanest does
-    advice = fit.advise(transformer(hardware=f"a100-nvlink,memory={budget}"), batch_of(trainer, 16), "sync")
+    advice = fit.what_fits(transformer(hardware=f"a100-nvlink,memory={budget}"), batch_of(trainer, 16), "sync")
     fitting = [n for n, q in advice["policies"].items() if q["bytes"] <= budget]
     assert "none" not in fitting and fitting
     cheapest = min(fitting, key=lambda n: advice["policies"][n]["flops_per_device"])
@@ -80,7 +80,7 @@ def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compile
     p = before["policies"]
     budget = min(q["bytes"] for q in p.values()) - 1  # 16 rows fit under no policy
     small = transformer(hardware=f"a100-nvlink,memory={budget}")
-    advice = fit.advise(small, batch_of(trainer, 16), "sync")
+    advice = fit.what_fits(small, batch_of(trainer, 16), "sync")
     s = advice["suggestion"]
     assert not any(q["fits"] for q in advice["policies"].values())
     assert s["compiled"] and 2 <= s["batch"] < 16 and s["batch"] % 2 == 0 and s["bytes"] <= budget
@@ -92,7 +92,7 @@ def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compile
 
 def test_a_model_too_big_for_the_budget_is_told_to_split():
     trainer = transformer(hardware="a100-nvlink,memory=1000")
-    advice = fit.advise(trainer, batch_of(trainer, 16), "sync")
+    advice = fit.what_fits(trainer, batch_of(trainer, 16), "sync")
     assert advice["suggestion"]["remat"] is None
     assert "split the model over more devices" in advice["suggestion"]["reason"]
 

@@ -1,5 +1,5 @@
 """A model's own training step on the machine at hand: its fixed cost per step and its utilisation of the
-calibrated matmul rate, from timed reference runs (`python -m jaxpar.calibrate --model NAME`).
+calibrated matmul rate, from timed reference runs (`python -m jaxpar.calibrate --model NAME`, `model.py`).
 
 Why. A matmul loop's FLOP/s and an empty program's launch time do not price a training step on XLA:CPU's emulated
 devices: measured on this machine, the MLP's step is mostly a fixed cost per step (dispatch, the many small ops of
@@ -7,18 +7,19 @@ the optimizer and the guard, each a thunk on every device) and a transformer's s
 matmul rate (docs/cost-model.md, validated on this machine). Both depend on the model, so the model is measured.
 
 What is timed: sync SGD with the compiler's all-reduce on one mesh (the reference; default every device on data),
-at global batches B, 2B, 4B, 8B and 16B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does not.
-Each is warmed up, then `ROUNDS` rounds of `STEPS` steps, alternating them, run with at most two in flight (as
-`fit` runs them); the fastest round gives seconds per step (the load of other work is noise, as in the links'
-calibration).
+at global batches B, 2B, 4B, 8B and 16B (`BATCH_FACTORS`): the FLOPs per device change, the gradient exchange does
+not. The batches are synthetic, of the model's shapes (`model.py`): a step's time depends on the shapes, not on the
+values, so any batch a run could use can be measured, however large against the dataset. Each is warmed up, then
+`ROUNDS` rounds of `STEPS` steps, alternating them, run with at most two in flight (as `Trainer.fit` runs them); the
+fastest round gives seconds per step (the load of other work is noise, as in the links' calibration).
 
-The fit. With P the projected compute (FLOPs per device / the matmul rate) and C the projected communication of
+The line. With P the projected compute (FLOPs per device / the matmul rate) and C the projected communication of
 the compiled step (priced on the calibrated links), a step is taken to cost
 
     t = fixed + P / u + C
 
 and 1/u is the slope of the least-squares line of t - C against P over the batches, fixed its mean rest
-(mean of t - C - P / u); the fit's relative RMS and worst residual are reported. With two batches that is
+(mean of t - C - P / u); the line's relative RMS and worst residual are reported. With two batches that is
 1/u = ((t2 - C2) - (t1 - C1)) / (P2 - P1): a noisy pair swung u from 0.43 to 1.0. 1/u below 1 (a step
 faster than the matmul loop) or not a number is noise: u = 1 then, and fixed = the mean of t - C - P. A negative
 fixed is taken as 0 (said in the note). The profile then prices compute at u x the matmul rate (`sustained`) and
@@ -31,6 +32,12 @@ import statistics
 import time
 from typing import Callable
 
+import jax
+import numpy as np
+
+from jaxpar.cost.hardware import compiled_cost
+from jaxpar.cost.profile import MEASUREMENTS
+
 # the reference's global batches, in multiples of B: a least-squares line through five sizes over a 16x range, not
 # two points 4x apart (two calibrations in a row with (1, 4) gave the MLP utilisation 0.425 and 1.0 on this machine:
 # its compute at batch 4B is below the noise of its fixed cost; docs/cost-model.md)
@@ -38,13 +45,11 @@ BATCH_FACTORS = (1, 2, 4, 8, 16)
 STEPS, ROUNDS, WARMUP = 20, 5, 3
 
 
-def fit_step(points) -> dict:
+def least_squares_step(points) -> dict:
     """`points`: [(P, C, t)] at two or more batches (projected compute, projected communication, measured seconds
     per step). Returns {"utilisation": u, "fixed": seconds, "note": ..., "rms_relative_error",
-    "worst_relative_error"} (the module docstring's fit: the least-squares line of t - C against P; the errors are
-    the fitted step times' against the measured, before a negative fixed cost is taken as 0)."""
-    import numpy as np
-
+    "worst_relative_error"} (the module docstring's least-squares line of t - C against P; the errors are the
+    line's step times' against the measured, before a negative fixed cost is taken as 0)."""
     p = np.array([x[0] for x in points], float)
     rest = np.array([x[2] - x[1] for x in points], float)
     note = ""
@@ -68,10 +73,8 @@ def fit_step(points) -> dict:
 
 
 def runner(trainer, batch) -> Callable[[int], None]:
-    """`run(n)`: n training steps of `trainer` on `batch` from a fresh state, at most two in flight as `fit` runs
-    them (nothing read back; the wait for step N-1 before step N+1 is dispatched), ending when the last is done."""
-    import jax
-
+    """`run(n)`: n training steps of `trainer` on `batch` from a fresh state, at most two in flight as `Trainer.fit`
+    runs them (nothing read back; the wait for step N-1 before step N+1 is dispatched), ending when the last is done."""
     state = trainer.init(0)
     placed = trainer.shard_batch(batch)
 
@@ -108,28 +111,27 @@ def time_steps(trainer, batch, steps: int = STEPS, rounds: int = ROUNDS, warmup:
     return alternating_seconds([runner(trainer, batch)], steps, rounds, warmup)[0]
 
 
-def projected_parts(trainer, batch, launch: float) -> tuple[float, float]:
+def projected_parts(trainer, batch, profile) -> tuple[float, float]:
     """(P, C): the projected compute without the launch and the exposed communication of the trainer's first step
-    variant on global batches shaped like `batch`, on the trainer's profile."""
-    from jaxpar.cost.hardware import compiled_cost
-
+    variant on global batches shaped like `batch`, on the hardware profile `profile`."""
     variant = trainer.strategy.plan(trainer.ctx, 0).variant
-    cost = compiled_cost(trainer.compiled_step(variant, batch), trainer.mesh, trainer.hardware)
-    return cost.compute - launch, cost.exposed
+    cost = compiled_cost(trainer.compiled_step(variant, batch), trainer.mesh, profile)
+    return cost.compute - profile.launch, cost.exposed
 
 
 def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size: int, profile,
             factors=BATCH_FACTORS, timer: Callable | None = None, progress=None, steps: int = STEPS,
             rounds: int = ROUNDS) -> dict:
-    """Times the reference (`make_trainer(profile)`: a sync Trainer on the reference mesh priced on `profile`) at
-    global batches `batch_of(f x batch_size)` and fits it. `timer(trainer, batch) -> seconds` replaces the
-    measurement (tests). Returns {"points": [{batch, compute, communication, measured}], "utilisation", "fixed",
-    "note"}."""
+    """Times the reference (`make_trainer()`: a sync Trainer on the reference mesh) at global batches
+    `batch_of(f x batch_size)`, each priced on `profile`, and draws the least-squares line through them (module
+    docstring). `timer(trainer, batch) -> seconds` replaces the measurement (tests). Returns {"points": [{batch,
+    compute, communication, measured}], "utilisation", "fixed", "note", "rms_relative_error",
+    "worst_relative_error"}."""
     runs, points = [], []
     for factor in factors:
         batch = batch_of(factor * batch_size)
-        trainer = make_trainer(profile)
-        compute, comm = projected_parts(trainer, batch, profile.launch)
+        trainer = make_trainer()
+        compute, comm = projected_parts(trainer, batch, profile)
         runs.append((trainer, batch))
         points.append({"batch": factor * batch_size, "compute": compute, "communication": comm})
     # the fastest round, as the links' calibration keeps the fastest call: other sessions' load is noise, never the
@@ -143,16 +145,14 @@ def measure(make_trainer: Callable, batch_of: Callable[[int], dict], batch_size:
             progress(f"reference step at batch {point['batch']}: {seconds * 1e3:,.3f} ms measured (projected compute "
                      f"{point['compute'] * 1e3:,.3f} ms at the matmul rate, communication "
                      f"{point['communication'] * 1e3:,.3f} ms)")
-    fitted = fit_step([(x["compute"], x["communication"], x["measured"]) for x in points])
-    return {"points": points, **fitted}
+    line = least_squares_step([(x["compute"], x["communication"], x["measured"]) for x in points])
+    return {"points": points, **line}
 
 
 def apply(profile: dict, model: str, mesh: str, result: dict) -> dict:
-    """The calibrated profile dict `profile` (`jaxpar.cost.calibration.calibrate`'s) with `model`'s step measured
+    """The calibrated profile dict `profile` (`jaxpar.calibration.machine.calibrate`'s) with `model`'s step measured
     on `mesh`: sustained = utilisation x the matmul rate, launch = the fixed cost, the model named, the reference
     kept under calibration.model."""
-    from jaxpar.cost.profile_json import MEASUREMENTS
-
     out = dict(profile)
     out["sustained"] = float(profile["flops"] * result["utilisation"])
     out["launch"] = float(result["fixed"])

@@ -1,6 +1,6 @@
 """What fits a device: per rematerialization policy, the step's memory and FLOPs, and the largest global batch.
 
-`advise(trainer, batch, variant)` compiles the step `variant` (the trainer's most memory-hungry one) under every
+`what_fits(trainer, batch, variant)` compiles the step `variant` (the trainer's most memory-hungry one) under every
 named remat policy (`jaxpar.train.remat.POLICIES`) at the run's global batch and at twice that batch, and reads
 XLA's memory analysis of each. Per policy, memory per device is taken as affine in the batch rows through those
 two points (the train state is fixed; activations, the batch and the logits grow with it), which gives the
@@ -75,7 +75,7 @@ def largest_batch(at_rows: int, at_bytes: int, probe_rows: int, probe_bytes: int
     return rows if rows >= unit else None
 
 
-def advise(trainer, batch, variant: str, inputs=None) -> dict:
+def what_fits(trainer, batch, variant: str, inputs=None) -> dict:
     """Memory, FLOPs and the largest batch per remat policy for `trainer`'s step `variant` on global batches
     shaped like `batch`, and a suggestion (see the module docstring)."""
     budget, source = budget_of(trainer)
@@ -148,7 +148,7 @@ def _verified(trainer, variant, inputs, batch, name, rows, budget) -> dict | Non
 
 
 def lines(advice: dict) -> list[str]:
-    """The text `--explain` prints for `advise`'s result."""
+    """The text `--explain` prints for `what_fits`'s result."""
     head = f"what fits a device ({advice['budget']:,} bytes, {advice['budget_source']})"
     if "unavailable" in advice:
         return ["", f"{head}: not known ({advice['unavailable']})"]

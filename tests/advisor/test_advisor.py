@@ -1,5 +1,6 @@
-"""The plan advisor (`jaxpar.cost.plan`, `run.py --plan`): where the best plan is obvious it comes first, a plan
-that does not fit a device ranks after every one that does, each plan's flags run it, and bad flags are one line."""
+"""The plan advisor (`jaxpar.advisor`, `jaxpar.plan`, `run.py --plan`): where the best plan is obvious it comes
+first, a plan that does not fit a device ranks after every one that does, each plan's flags run it, and bad flags
+are one line."""
 
 import os
 
@@ -12,7 +13,7 @@ from flax import nnx
 import jaxpar
 import models
 import run
-from jaxpar.cost import plan as advisor
+import jaxpar.advisor as advisor
 from tests.helpers import TINY
 
 
@@ -43,7 +44,7 @@ def test_factorizations_are_every_ordered_product():
 
 def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     slow_data = "flops=1e12,alpha=1e-6,bandwidth=1e12,data.alpha=1e-3,data.bandwidth=1e6"
-    result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, slow_data, 4, meshes=MESHES, remats=("none",))
+    result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, slow_data, 4, meshes=MESHES, remats=("none",))
     best = result["plans"][0]
     assert best.mesh == "data=1,fsdp=4,model=1" and best.why == "best"
     # the user's model has no measured steps ratio: periodic strategies rank after every sync plan
@@ -52,18 +53,18 @@ def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     assert "steps to target not known" in result["plans"][first_unknown].why
 
     slow_fsdp = "flops=1e12,alpha=1e-6,bandwidth=1e12,fsdp.alpha=1e-3,fsdp.bandwidth=1e6"
-    result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, slow_fsdp, 4, meshes=MESHES, remats=("none",))
+    result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, slow_fsdp, 4, meshes=MESHES, remats=("none",))
     assert result["plans"][0].mesh == "data=4,fsdp=1,model=1"
     assert result["plans"][0].flags.startswith("--mesh data=4,fsdp=1,model=1 --strategy ")
 
 
 def test_a_plan_that_does_not_fit_ranks_after_every_plan_that_does():
-    roomy = advisor.plan(Wide, loss, optax.adam(1e-3), BATCH, "a100-nvlink", 4, meshes=MESHES, remats=("none",))
+    roomy = advisor.advise(Wide, loss, optax.adam(1e-3), BATCH, "a100-nvlink", 4, meshes=MESHES, remats=("none",))
     sync = {c.mesh: c.memory for c in roomy["plans"] if c.strategy == "sync"}
     replicated, sharded = sync["data=4,fsdp=1,model=1"], sync["data=1,fsdp=4,model=1"]
     assert sharded < replicated  # ZeRO-3 splits parameters and optimizer state
     budget = (replicated + sharded) // 2
-    tight = advisor.plan(Wide, loss, optax.adam(1e-3), BATCH, f"a100-nvlink,memory={budget}", 4, meshes=MESHES,
+    tight = advisor.advise(Wide, loss, optax.adam(1e-3), BATCH, f"a100-nvlink,memory={budget}", 4, meshes=MESHES,
                          remats=("none",))
     fits = [c.fits for c in tight["plans"]]
     assert fits[0] and fits == sorted(fits, reverse=True)  # every fitting plan first
@@ -75,7 +76,7 @@ def test_a_plan_that_does_not_fit_ranks_after_every_plan_that_does():
 def test_a_mesh_the_model_does_not_divide_over_is_refused_with_its_reason():
     config = TINY["transformer"].replace(heads=2)
     batch = {"tokens": jax.ShapeDtypeStruct((8, config.seq_len + 1), np.int32)}
-    result = advisor.plan(models.factory(config), models.LOSSES["transformer"], optax.sgd(0.1), batch,
+    result = advisor.advise(models.factory(config), models.LOSSES["transformer"], optax.sgd(0.1), batch,
                           "a100-nvlink", 4, meshes=["data=4,fsdp=1,model=1", "data=1,fsdp=1,model=4"],
                           remats=("none",))
     assert {c.mesh for c in result["plans"]} == {"data=4,fsdp=1,model=1"}
@@ -97,6 +98,10 @@ def test_cli_plan_prints_the_flags_of_the_best_plans_and_writes_nothing(tmp_path
     (["--devices", "4", "--hardware", "a100-nvlink"], "--devices 4: applies only with --plan"),
     (["--plan", "--explain", "--hardware", "a100-nvlink"], "--plan with --explain: give one of them"),
     (["--plan", "--hardware", "a100-nvlink", "--devices", "0"], "--devices 0"),
+    (["--plan", "--hardware", "a100-nvlink", "--devices", "100000"],
+     "--devices 100000: the advisor would start 100,000 devices and compile every mesh of them on this machine; plan "
+     "for at most 1,024 devices"),
+    (["--plan", "--hardware", "a100-nvlink", "--mesh", "2048"], "--mesh '2048': the advisor would start 2,048 devices"),
 ])
 def test_bad_plan_flags_are_one_line(argv, needle, capsys):
     assert run.main(["--model", "mlp", *argv]) == 2
@@ -107,13 +112,13 @@ def test_bad_plan_flags_are_one_line(argv, needle, capsys):
 def test_a_slow_permute_link_ranks_the_hand_written_allreduces_after_the_compilers():
     """The hand-written allreduces are made of collective-permutes: priced on the permute's own link (a calibrated
     profile's `kinds`), they lose to the compiler's all-reduce when permutes are slow, and win when they are fast."""
-    from jaxpar.cost.hardware import Link, Profile
+    from jaxpar.cost.profile import Link, Profile
 
     def plans(permute_alpha):
         links = {axis: Link(1e-5, 1e9) for axis in ("data", "stage", "fsdp", "model")}
         profile = Profile("cpu-like", 1e12, links, kinds={"collective-permute": {
             axis: Link(permute_alpha, 1e9) for axis in links}}, launch=1e-3)
-        result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, profile, 4, meshes=["data=4,fsdp=1,model=1"],
+        result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, profile, 4, meshes=["data=4,fsdp=1,model=1"],
                               remats=("none",), periods=())
         return {c.strategy: c.seconds for c in result["plans"]}
 
@@ -135,7 +140,7 @@ def test_with_overlap_sync_is_priced_as_explain_prices_it_and_a_meeting_hides_no
     report = jaxpar.explain(trainer, BATCH)
     p = report["variants"]["sync"]["projected_seconds"]
     assert p["overlap"] > 0
-    result = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, hardware, 4, meshes=[mesh], remats=("none",),
+    result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, hardware, 4, meshes=[mesh], remats=("none",),
                           periods=(4,))
     sync = next(c for c in result["plans"] if c.strategy == "sync")
     assert sync.seconds == pytest.approx(p["step"])
@@ -146,15 +151,16 @@ def test_with_overlap_sync_is_priced_as_explain_prices_it_and_a_meeting_hides_no
 
 
 def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
-    one = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=1)
-    two = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=2)
+    one = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=1)
+    two = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=2)
     assert [(c.flags, c.seconds, c.memory) for c in one["plans"]] == [(c.flags, c.seconds, c.memory)
                                                                        for c in two["plans"]]
     assert one["remat_mesh"] == two["remat_mesh"] and len(one["plans"]) > len(MESHES)
 
 
 def test_cli_plan_notes_a_profile_calibrated_on_another_model(tmp_path, capsys, monkeypatch):
-    from jaxpar.cost.hardware import PROFILES, save_profile
+    from jaxpar.cost.builtin_profiles import PROFILES
+    from jaxpar.cost.profile_json import save_profile
 
     path = tmp_path / "transformer.json"
     save_profile(PROFILES["a100-eth10"].__class__(**{**PROFILES["a100-eth10"].__dict__, "model": "transformer"}),
