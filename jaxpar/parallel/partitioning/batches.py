@@ -5,6 +5,7 @@ from __future__ import annotations
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.explicit_mesh import is_explicit
 
 
 def batch_spec(leading=(), mesh=None) -> P:
@@ -13,7 +14,7 @@ def batch_spec(leading=(), mesh=None) -> P:
     if mesh is None:
         return P(*leading, mesh_lib.BATCH_AXES)
     axes = mesh_lib.axis_names(mesh, mesh_lib.BATCH_AXES)
-    if mesh_lib.is_explicit(mesh):  # a sharding is part of an Explicit array's type: axes of size 1 would show in it
+    if is_explicit(mesh):  # a sharding is part of an Explicit array's type: axes of size 1 would show in it
         axes = tuple(a for a in axes if mesh.shape[a] > 1)
     return P(*leading, axes[0] if len(axes) == 1 else (axes or None))
 

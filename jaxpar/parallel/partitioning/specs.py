@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel.explicit_mesh import is_explicit
 
 REPLICATED = P()  # whole on every device (in a shard_map: the same on every shard)
 # A leading dimension over the replicas, one entry per replica: inside a replica-manual shard_map, the batch's rows
@@ -66,7 +67,7 @@ def constrain(tree, shardings):
     `jax.sharding.reshard` on an Explicit one (where a sharding is part of the type and the constraint only
     asserts it)."""
     first = next(iter(jax.tree.leaves(shardings, is_leaf=is_sharding)), None)
-    if first is not None and mesh_lib.is_explicit(first.mesh):
+    if first is not None and is_explicit(first.mesh):
         return jax.sharding.reshard(tree, shardings)
     return jax.lax.with_sharding_constraint(tree, shardings)
 
