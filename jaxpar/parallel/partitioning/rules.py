@@ -146,7 +146,7 @@ def _indivisible(where, shape, dim, logical, axes, mesh: Mesh, rule) -> str:
         named = f"logical {logical!r}" + (f", from path rule {rule!r}" if rule else "")
         change = f"or map {logical!r} to None in the rules"
     fix = f"make that dimension a multiple of {ways}, use a smaller {joined} axis, {change}"
-    if axes == mesh_lib.axis_names(mesh, mesh_lib.STAGE_AXIS):  # unsplit layers would leave nothing to pipeline: no None
+    if axes == mesh_lib.axis_names(mesh, mesh_lib.STAGE_AXIS):  # unsplit layers leave nothing to pipeline: no None
         fits = max(d for d in range(1, ways + 1) if shape[dim] % d == 0)
         fix = f"make that dimension a multiple of {ways}, or use a {joined} axis that divides {shape[dim]} (e.g. " \
               f"{joined}={fits})"
