@@ -36,7 +36,7 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.collectives.communicator import communicator
+from jaxpar.parallel.collectives.communicators import communicator
 from jaxpar.parallel.compression.casts import FP16_MAX, Cast
 from jaxpar.parallel.compression.communicator import CompressedCommunicator
 from jaxpar.parallel.compression.exchange import Exchange

@@ -9,7 +9,7 @@ axis), so every byte the trainer sends between replicas by algorithm goes throug
 - `buffers`: tensor fusion, one flat buffer per dtype (and the one-buffer average across CPU processes);
 - `allreduce`: the mean, sum and gather of a tree by algorithm (what the codecs of `jaxpar.parallel.compression`
   build on);
-- `communicator`: the `Communicator` object and `communicator(name)`.
+- `communicators`: the `Communicator` object and `communicator(name)`.
 
 Algorithms (all return the same numbers as `lax.pmean`, up to float summation order):
 
@@ -47,7 +47,7 @@ from jaxpar.parallel.collectives.algorithms import (ALLREDUCE_ALGORITHMS, defaul
                                                     torus_shape)
 from jaxpar.parallel.collectives.allreduce import allgather, allreduce_mean, allreduce_sum
 from jaxpar.parallel.collectives.buffers import allreduce_in_one_buffer
-from jaxpar.parallel.collectives.communicator import Communicator, check_allreduce, communicator
+from jaxpar.parallel.collectives.communicators import Communicator, check_allreduce, communicator
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "Communicator", "allgather", "allreduce_in_one_buffer", "allreduce_mean",
            "allreduce_sum", "check_allreduce", "communicator", "default_torus_x", "theoretical_traffic", "torus_shape"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxpar.parallel.collectives.algorithms import theoretical_traffic
-from jaxpar.parallel.collectives.communicator import Communicator, communicator
+from jaxpar.parallel.collectives.communicators import Communicator, communicator
 from jaxpar.parallel.compression.codec_names import parse_codec
 from jaxpar.parallel.compression.exchange import Exchange
 
