@@ -12,7 +12,7 @@ from jaxpar.checks import check_int
 from jaxpar.errors import ConfigError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.plan_notes import PlanNotes
+from jaxpar.parallel.sharding_notes import ShardingNotes
 from jaxpar.parallel.path_rules import normalize_path_rules
 from jaxpar.pipeline.config import Pipeline
 from jaxpar.strategies import StepContext
@@ -63,7 +63,7 @@ class StatePlan(NamedTuple):
     eval_graphdef: Any  # the model's structure in eval mode
     neutral_shardings: TrainState  # of the strategy-free state
     state_shardings: TrainState  # of the strategy's state
-    notes: PlanNotes  # what the sharding plan decided that the user should hear
+    notes: ShardingNotes  # what placing the state decided that the user should hear
 
 
 def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, grad_accum: int,
@@ -92,7 +92,7 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
     graphdef, abs_params, abs_model_state = split_model(abstract)
 
     linen_model = isinstance(abstract, LinenModel)
-    notes = PlanNotes(library="linen" if linen_model else "nnx")
+    notes = ShardingNotes(library="linen" if linen_model else "nnx")
     # a wrapped Linen module's parameters sit under the wrapper's `linen` attribute: path rules see Linen's paths
     param_sh = shd.state_shardings(abs_params, rules, mesh, strict, notes, path_rules, path_root=int(linen_model))
     model_state_sh = shd.state_shardings(abs_model_state, rules, mesh, strict)

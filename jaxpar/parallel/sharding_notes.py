@@ -1,8 +1,8 @@
-"""What the sharding plan tells its user at start-up: parameters the fsdp placement moved or left whole, logical
-names no rule mentions, and a model without annotations (pointing at its own library's annotation API).
+"""What placing the train state tells its user at start-up: parameters the fsdp placement moved or left whole,
+logical names no rule mentions, and a model without annotations (pointing at its own library's annotation API).
 
-`jaxpar.parallel.partitioning.state_shardings` fills a `PlanNotes` while it places the train state; the Trainer
-reports `PlanNotes.lines(mesh)` once.
+`jaxpar.parallel.partitioning.state_shardings` fills a `ShardingNotes` while it places the train state; the Trainer
+reports `ShardingNotes.lines(mesh)` once.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ ANNOTATION_API = {"nnx": "nnx.with_partitioning", "linen": "nn.with_logical_part
 
 
 @dataclass
-class PlanNotes:
-    """What the sharding plan decided that a user should hear about (each reported once, at start-up)."""
+class ShardingNotes:
+    """What placing the train state decided that a user should hear about (each reported once, at start-up)."""
 
     library: str = "nnx"  # the model's own library (a key of ANNOTATION_API): the API the notes point to
     moved: list = field(default_factory=list)  # (parameter, shape, dim): fsdp moved to another dimension
