@@ -37,7 +37,7 @@ MATRIX = (512, 512)  # PowerSGD's matrix per device (same element count)
 
 
 class _LocalExchange:
-    """`compression._Exchange`'s interface, sending nothing: what is timed is the codec's own work."""
+    """`compression.Exchange`'s interface, sending nothing: what is timed is the codec's own work."""
 
     def __init__(self, n: int):
         self.n = n

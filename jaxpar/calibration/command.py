@@ -21,6 +21,7 @@ from jaxpar.cli.config import Config
 from jaxpar.cost.profile_json import is_profile_file
 from jaxpar.errors import JaxparError
 from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.runtime.cpu_devices import ensure_cpu_devices
 from jaxpar.runtime import distributed
 
 PROG = "python -m jaxpar.calibrate"
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     try:
         distributed.initialize()
         if args.mesh is None:  # every device on data: on CPU, as many as run.py's default mesh (before JAX starts)
-            mesh_lib.ensure_cpu_devices(cpu_devices())
+            ensure_cpu_devices(cpu_devices())
         mesh = mesh_lib.make_mesh(args.mesh if args.mesh is not None else "-1")
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if distributed.is_main() else None
         profile = calibrate(mesh, sizes=args.sizes, matmul_sizes=args.matmul_sizes, trips=args.trips,

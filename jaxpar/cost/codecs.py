@@ -60,7 +60,7 @@ def gradient_splits(trainer) -> list[tuple] | None:
 def link_kind(algorithm: str, collective: str, codec) -> str:
     """The collective kind whose calibrated link (`Profile.kinds`) carries a `traffic` entry: every collective of
     the hand-written algorithms (ring, torus2d, ps) is a ppermute; fp16's scales are a native pmax (an all-reduce);
-    under psum, a 16-bit sum is an all-to-all + all-gather (`collectives._native_sum_16`), the rest native."""
+    under psum, a 16-bit sum is an all-to-all + all-gather (`collectives.allreduce._native_sum_16`), the rest native."""
     if collective.startswith("scales"):
         return "all-reduce"
     if algorithm != "psum":
@@ -95,7 +95,7 @@ def gathered_arrays(codec) -> int:
 
 
 def gather_steps(communicator, n: int) -> int:
-    """Sequential ppermutes of one array's hand-written all-gather (`collectives._gather_leaf`): ring N-1, torus2d
+    """Sequential ppermutes of one array's hand-written all-gather (`collectives.rings.gather_leaf`): ring N-1, torus2d
     (X-1) + (Y-1), ps 2(N-1) (every worker to the root, then the root to every worker, one at a time). Measured:
     the compiled int8 step on data=4 with ps has 12 permutes over data (2 arrays x 2 x 3), where `traffic` says 3."""
     from jaxpar.parallel.collectives import torus_shape
