@@ -157,11 +157,13 @@ def convergence_table(runs):
 def priced_clock(trainer, strategy, profile, batch, steps):
     """sim_time after each step, each variant priced from its compiled step on `profile` (what
     `Trainer(hardware=...)` does: `Trainer.step_cost`)."""
+    from jaxpar.cost.strategy_costs import variant_shares
+
     trainer.hardware = profile
     trainer.step_costs.clear()
     first = strategy.plan(trainer.ctx, 0)
     costs = {}
-    for variant in strategy.variant_shares():
+    for variant in variant_shares(strategy):
         trainer._price(variant, trainer.compiled_step(variant, batch,
                                                       first.inputs if first.variant == variant else {}))
         costs[variant] = trainer.step_costs[variant]

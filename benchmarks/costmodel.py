@@ -68,7 +68,7 @@ def label(model, fields, mesh, strategy, options) -> str:
 def measured_step_seconds(trainer, batch, steps: int, rounds: int) -> float:
     """Median over rounds of seconds per step, as `fit` runs steps: at most two in flight and nothing read back
     (`Trainer.dispatch`; `Trainer.step` would read local SGD's per-replica metrics to the host every step)."""
-    from jaxpar.cost.model_step import time_steps
+    from jaxpar.calibration.model_step import time_steps
 
     period = getattr(trainer.strategy, "period", 1)
     steps = -(-steps // period) * period  # whole periods: the mean over local steps and meetings
@@ -150,12 +150,12 @@ def advisor(args, profile) -> dict:
     measured time over the best measured."""
     import optax
 
-    from jaxpar.cost.model_step import alternating_seconds, runner
-    from jaxpar.cost.plan import plan
+    from jaxpar.advisor import advise
+    from jaxpar.calibration.model_step import alternating_seconds, runner
 
     parts = common.setup("mlp", dropout=0.0, batch_size=args.batch_size)
     batch_shapes = {k: jaxpar_shape(v) for k, v in parts.batch.items()}
-    result = plan(parts.factory, parts.loss_fn, optax.adamw(1e-3), batch_shapes, profile, 8, remats=("none",))
+    result = advise(parts.factory, parts.loss_fn, optax.adamw(1e-3), batch_shapes, profile, 8, remats=("none",))
     candidates = [c for c in result["plans"] if c.fits]
     step = max(len(candidates) // args.plans, 1)
     picked = candidates[::step][: args.plans]
@@ -194,9 +194,8 @@ def advisor(args, profile) -> dict:
 def calibrated_here(args):
     """This machine's profile for the MLP, as `python -m jaxpar.calibrate --mesh M --model mlp --batch-size B`
     writes it: matmul rate, launch, every kind's link per axis of M, and the MLP's utilisation and fixed cost."""
-    from jaxpar.calibrate import calibrate_model
-    from jaxpar.cost.calibration import calibrate, summary
-    from jaxpar.cost.hardware import Profile
+    from jaxpar.calibration import calibrate, calibrate_model, summary
+    from jaxpar.cost.profile import Profile
 
     say = (lambda line: print(f"calibrate: {line}", flush=True)) if args.verbose else None
     found = calibrate(jaxpar.make_mesh(args.calibrate_mesh), progress=say)

@@ -289,7 +289,7 @@ def flatten(args) -> dict:
     import optax
     from flax import nnx
 
-    from jaxpar.parallel.collectives import _one_buffer
+    from jaxpar.parallel.collectives.buffers import one_buffer
 
     model = nnx.Sequential(nnx.Linear(IN, HIDDEN, rngs=nnx.Rngs(0)), lambda x: jax.nn.gelu(x, approximate=False),
                            nnx.Linear(HIDDEN, OUT, rngs=nnx.Rngs(1)))
@@ -303,7 +303,7 @@ def flatten(args) -> dict:
 
     forms = {"as they are": jax.jit(leaves),
              "concatenated": jax.jit(lambda p: jnp.concatenate([jnp.ravel(g) for g in leaves(p)])),
-             "written in place": jax.jit(lambda p: _one_buffer(leaves(p), jnp.float32))}
+             "written in place": jax.jit(lambda p: one_buffer(leaves(p), jnp.float32))}
     times = {name: [] for name in forms}
     for fn in forms.values():
         jax.block_until_ready(fn(params))

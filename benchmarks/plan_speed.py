@@ -32,7 +32,7 @@ def main():
     import jax
     import optax
 
-    from jaxpar.cost.plan import plan
+    from jaxpar.advisor import advise
     from jaxpar.runtime.compile_cache import use_compile_cache
 
     use_compile_cache(None)
@@ -45,8 +45,8 @@ def main():
         for workers in settings:
             jax.clear_caches()  # nothing compiled in an earlier round is reused
             started = time.perf_counter()
-            results[workers] = plan(parts.factory, parts.loss_fn, optax.adamw(1e-3), batch, args.hardware,
-                                    args.devices, workers=workers)
+            results[workers] = advise(parts.factory, parts.loss_fn, optax.adamw(1e-3), batch, args.hardware,
+                                      args.devices, workers=workers)
             seconds[workers].append(time.perf_counter() - started)
             print(f"workers={workers}: {seconds[workers][-1]:.1f} s", flush=True)
     same = len({tuple((c.flags, round(c.seconds, 12), c.memory) for c in r["plans"]) for r in results.values()}) == 1

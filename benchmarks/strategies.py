@@ -29,7 +29,7 @@ lowest 10-step mean the sync run reaches within the first half of its steps (rou
 
 Simulated seconds: each step variant is compiled, and priced by `jaxpar.cost.hardware` (its FLOPs per device / the
 profile's peak, plus the alpha-beta cost of the collectives its HLO contains on the links of the axes they span);
-the one event simulator (`jaxpar.cost.simulator.simulate`) turns those prices and the straggler profile into
+the one event simulator (`jaxpar.strategies.simulation.simulate`) turns those prices and the straggler profile into
 the clock, exactly as `Trainer(hardware=...)` / `run.py --hardware` does. It is a projection onto the profile's
 hardware, not a measurement; wall times on this machine are in the JSON rows.
 """
@@ -70,11 +70,12 @@ def priced_times(trainer, strategy, hardware, batch, steps):
     """sim_time after each step of `trainer`'s run, priced on `hardware` from its compiled step variants (the same
     event simulation and cost model as `Trainer(hardware=...)`)."""
     from jaxpar.cost.hardware import compiled_cost, parse_hardware
+    from jaxpar.cost.strategy_costs import variant_shares
 
     profile = parse_hardware(hardware)
     first = strategy.plan(trainer.ctx, 0)
     costs = {}
-    for variant in strategy.variant_shares():
+    for variant in variant_shares(strategy):
         compiled = trainer.compiled_step(variant, batch, first.inputs if first.variant == variant else {})
         costs[variant] = compiled_cost(compiled, trainer.mesh, profile)
     clock = strategy.clock.priced(costs.__getitem__)

@@ -1,16 +1,16 @@
 """jaxpar: data-, FSDP- and model-parallel training of Flax NNX models on a JAX device mesh.
 
 The public API is what this module exports. The packages show the parts: `parallel` (mesh, partitioning,
-collectives), `strategies` (how replicas agree), `train` (state, step, Trainer, loop, actions), `cost` (HLO,
-hardware profiles, simulator, explain), `io` (data, checkpoints, metrics, reports), `runtime` (processes and
-devices) and `cli` (what `run.py` runs: `jaxpar.cli.Config`). `import jaxpar` loads the library only, never `cli`,
-`models` or `configs`; `jaxpar.Config` is `jaxpar.cli.Config`, imported when first used.
+collectives), `strategies` (how replicas agree, and their simulated clock), `train` (state, step, Trainer, loop,
+actions), `cost` (HLO, hardware profiles, explain), `io` (data, checkpoints, metrics, reports), `runtime`
+(processes and devices) and `cli` (what `run.py` runs: `jaxpar.cli.Config`). `import jaxpar` loads the library
+only, never `cli`, `models` or `configs`; `jaxpar.Config` is `jaxpar.cli.Config`, imported when first used.
 """
 
 import sys
 
 from jaxpar.cost.explain import explain, format_explain
-from jaxpar.cost.plan import plan
+from jaxpar.advisor import advise as plan
 from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
 from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError,
                            OptionError, ResourceError, ShardingError, StateError)

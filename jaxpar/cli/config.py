@@ -22,7 +22,7 @@ from jaxpar.cli.strategies import NAMES as STRATEGIES
 from jaxpar.cli.values import (DTYPES, OPTIMIZERS, at_least, channels_check, coordinator_check, not_empty, one_of,
                                parse_decay_steps, parse_profile, parses, rules_check, within)
 from jaxpar.cost.hardware import PROFILES, parse_hardware
-from jaxpar.cost.simulator import parse_stragglers
+from jaxpar.strategies.stragglers import parse_stragglers
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS, check_allreduce
 from jaxpar.parallel.compression import parse_codec
 from jaxpar.parallel.mesh import parse_mesh_spec

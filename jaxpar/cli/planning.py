@@ -1,6 +1,6 @@
-"""`run.py --plan --hardware PROFILE [--devices N]`: the plan advisor (`jaxpar.cost.plan`) on the configured model,
-optimizer and global batch, for N devices (default: as many as --mesh uses); prints the ranked plans with the flags that run them; nothing trains and nothing is
-written."""
+"""`run.py --plan --hardware PROFILE [--devices N]`: the plan advisor (`jaxpar.advisor`) on the configured model,
+optimizer and global batch, for N devices (default: as many as --mesh uses); prints the ranked plans with the flags
+that run them; nothing trains and nothing is written."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import math
 import jax
 
 import models
+from jaxpar.advisor import MAX_DEVICES, advise, lines
 from jaxpar.cli.build import datasets, make_optimizer
 from jaxpar.cli.config import Config
 from jaxpar.cost.hardware import parse_hardware
+from jaxpar.errors import OptionError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.strategies import DiLoCo, LocalSGD, Sync
 
@@ -54,10 +56,12 @@ def _mesh_devices(spec: str) -> int | None:
 
 def plan_run(config: Config) -> dict:
     """Prints the ranked plans and returns {"plan": result}."""
-    from jaxpar.cost.plan import lines, plan
-
     devices = config.devices or _mesh_devices(config.mesh)
     if devices is not None:
+        if devices > MAX_DEVICES:  # before JAX starts that many CPU devices
+            flag, value = ("devices", config.devices) if config.devices else ("mesh", config.mesh)
+            raise OptionError(flag, value, f"the advisor would start {devices:,} devices and compile every mesh of "
+                              f"them on this machine; plan for at most {MAX_DEVICES:,} devices")
         mesh_lib.make_mesh(str(devices))  # on CPU, JAX starts with that many devices
     devices = devices or len(jax.devices())
     profile = parse_hardware(config.hardware)
@@ -68,8 +72,8 @@ def plan_run(config: Config) -> dict:
     train, _ = datasets(config, lambda step: config.batch_size, config.batch_size)
     first = next(iter(train))
     batch = {k: jax.ShapeDtypeStruct((config.batch_size,) + v.shape[1:], v.dtype) for k, v in first.items()}
-    result = plan(models.factory(config), models.loss_for(config), make_optimizer(config, config.lr), batch,
-                  config.hardware, devices, rules=config.rules, steps_ratio=steps_ratios(config.model),
-                  progress=lambda line: print(f"plan: {line}", flush=True))
+    result = advise(models.factory(config), models.loss_for(config), make_optimizer(config, config.lr), batch,
+                    config.hardware, devices, rules=config.rules, steps_ratio=steps_ratios(config.model),
+                    progress=lambda line: print(f"plan: {line}", flush=True))
     print("\n".join(lines(result)), flush=True)
     return {"plan": result}

@@ -9,7 +9,6 @@ from typing import Any, Callable, NamedTuple
 import optax
 
 from jaxpar.strategies import ASP, SSP, DiLoCo, LocalSGD, Strategy, Sync
-from jaxpar.strategies.local_sgd import OUTER_LR, OUTER_MOMENTUM, PERIOD
 
 # Counts that only matter up to the run's length are planned for at least this many steps, so that a resumed run
 # that raises --steps within it plans the same (the SSP version buffer, the post-local clock).
@@ -52,11 +51,11 @@ def _equally_fast(strategy) -> list[str]:
 
 ADAPTERS: dict[type, Adapter] = {  # the first is the default strategy
     Sync: Adapter({"compress": "none"}, lambda v, steps: Sync(**_common(v), compress=v["compress"])),
-    LocalSGD: Adapter({"sync_period": PERIOD, "local_after": 0, "compress": "none"},
+    LocalSGD: Adapter({"sync_period": LocalSGD.DEFAULT_PERIOD, "local_after": 0, "compress": "none"},
                       lambda v, steps: LocalSGD(v["sync_period"], _local_after(v, steps), **_common(v),
                                                 compress=v["compress"])),
-    DiLoCo: Adapter({"sync_period": PERIOD, "local_after": 0, "compress": "none", "outer_lr": OUTER_LR,
-                     "outer_momentum": OUTER_MOMENTUM},
+    DiLoCo: Adapter({"sync_period": DiLoCo.DEFAULT_PERIOD, "local_after": 0, "compress": "none",
+                     "outer_lr": DiLoCo.DEFAULT_OUTER_LR, "outer_momentum": DiLoCo.DEFAULT_OUTER_MOMENTUM},
                     lambda v, steps: DiLoCo(v["sync_period"], _outer(v), local_after=_local_after(v, steps),
                                             **_common(v), compress=v["compress"])),
     # SSP / ASP plan max(steps, PLAN_FLOOR) updates, so the version buffer is min(S, max(steps, PLAN_FLOOR)) + 1: a

@@ -1,1 +1,2 @@
-"""What a step costs: compiled HLO read for collectives, hardware profiles, the event simulator and `explain`."""
+"""What a step costs: compiled HLO read for collectives, hardware profiles, each strategy's cost facts and
+`explain`."""

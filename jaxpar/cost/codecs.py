@@ -4,9 +4,9 @@ the data link, its own compute, and the theory `--explain` states for it.
 - Bytes: `CompressedCommunicator.traffic` (the codec's payload per collective, sent by the chosen algorithm).
 - Seconds of the exchange (the plan advisor, which does not compile codecs): per collective, steps x alpha +
   bytes sent / bandwidth on the data link of that collective's kind (`link_kind`: a hand-written algorithm's
-  collectives are ppermutes), as `jaxpar.cost.plan` prices an uncompressed hand-written all-reduce.
+  collectives are ppermutes), as `jaxpar.advisor` prices an uncompressed hand-written all-reduce.
 - Compute: measured where the profile calibrated the codec (`Profile.codecs`, seconds per gradient element with
-  every device busy, `python -m jaxpar.calibrate`; `jaxpar.cost.codec_calibration`); else the codec's
+  every device busy, `python -m jaxpar.calibrate`; `jaxpar.calibration.codecs`); else the codec's
   `flops(shapes, n)` (elementwise encode / decode, PowerSGD's matmuls 6 n m R and its
   orthogonalisation about 4 n R^2 per matrix) at the profile's sustained FLOP/s. A compiled step's FLOPs already
   hold what XLA counts of the codec (its elementwise work and matmuls), so `compiled_step_cost` adds only what XLA
@@ -34,7 +34,7 @@ def codec_of(communicator):
 def gradient_shapes(trainer) -> list[tuple]:
     """The per-device gradient shapes the trainer's codec encodes: each device's shard for the elementwise codecs
     (they run per shard), the whole arrays for PowerSGD (the compiler shards its matmuls)."""
-    per_shard = getattr(trainer.strategy.communicator, "per_shard", True)
+    per_shard = getattr(trainer.ctx.communicator, "per_shard", True)
     out = []
     for leaf in jax.tree.leaves(trainer.abstract_state(neutral=True).params):
         sharding = getattr(leaf, "sharding", None)
@@ -50,7 +50,7 @@ def gradient_splits(trainer) -> list[tuple] | None:
     from jaxpar.parallel import mesh as mesh_lib
     from jaxpar.parallel import partitioning as shd
 
-    if getattr(trainer.strategy.communicator, "per_shard", True) or mesh_lib.size(
+    if getattr(trainer.ctx.communicator, "per_shard", True) or mesh_lib.size(
             trainer.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
         return None
     return [shd.within_replica_splits(leaf.sharding, leaf.ndim)
@@ -60,7 +60,7 @@ def gradient_splits(trainer) -> list[tuple] | None:
 def link_kind(algorithm: str, collective: str, codec) -> str:
     """The collective kind whose calibrated link (`Profile.kinds`) carries a `traffic` entry: every collective of
     the hand-written algorithms (ring, torus2d, ps) is a ppermute; fp16's scales are a native pmax (an all-reduce);
-    under psum, a 16-bit sum is an all-to-all + all-gather (`collectives._native_sum_16`), the rest native."""
+    under psum, a 16-bit sum is an all-to-all + all-gather (`collectives.allreduce._native_sum_16`), the rest native."""
     if collective.startswith("scales"):
         return "all-reduce"
     if algorithm != "psum":
@@ -95,7 +95,7 @@ def gathered_arrays(codec) -> int:
 
 
 def gather_steps(communicator, n: int) -> int:
-    """Sequential ppermutes of one array's hand-written all-gather (`collectives._gather_leaf`): ring N-1, torus2d
+    """Sequential ppermutes of one array's hand-written all-gather (`collectives.rings.gather_leaf`): ring N-1, torus2d
     (X-1) + (Y-1), ps 2(N-1) (every worker to the root, then the root to every worker, one at a time). Measured:
     the compiled int8 step on data=4 with ps has 12 permutes over data (2 arrays x 2 x 3), where `traffic` says 3."""
     from jaxpar.parallel.collectives import torus_shape
@@ -136,7 +136,7 @@ def compiled_step_cost(trainer, compiled, gradients: bool, exchanges: bool):
     from jaxpar.cost.hardware import compiled_cost
 
     profile = trainer.hardware
-    codec = codec_of(trainer.strategy.communicator)
+    codec = codec_of(trainer.ctx.communicator)
     if codec is None:
         return compiled_cost(compiled, trainer.mesh, profile, gradients)
     cost = compiled_cost(compiled, trainer.mesh, replace(profile, wire="float32"), gradients)
@@ -178,7 +178,7 @@ def theory_text(codec, shapes, n: int) -> str:
 def report(trainer, float32_bytes: float) -> dict | None:
     """The codec's part of an `--explain` variant: its name, the bytes its exchange sends per device against the
     float32 exchange's (`float32_bytes`, theory), theory's words, and its FLOPs per device by kind."""
-    communicator = trainer.strategy.communicator
+    communicator = trainer.ctx.communicator
     codec = codec_of(communicator)
     n = trainer.num_replicas
     if codec is None or n <= 1:

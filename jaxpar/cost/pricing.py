@@ -28,12 +28,13 @@ m NICs of a node are shared by the c flows that leave it at once: beta_e' = beta
     collective-permute: alpha_i + R/beta_i if no pair leaves its node, else alpha_e + R/beta_e' with c = the most
         pairs leaving one node
 
-The names of the formulas are functions here, so the published-result check (`jaxpar.cost.published`) prices the
+The names of the formulas are functions here, so the published-result check (`benchmarks/published.py`) prices the
 all-reduce of a step with the same code `--explain` and `sim_time` use.
 """
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from jaxpar.parallel import mesh as mesh_lib
 
@@ -47,8 +48,7 @@ def _hop(chunk: float, link) -> float:
 
 def shared(link, nics: int, flows: int):
     """The inter-node `link` as one of `flows` flows leaving a node with `nics` NICs sees it."""
-    from jaxpar.cost.hardware import Link
-    return Link(link.alpha, link.bandwidth * min(1.0, nics / max(flows, 1)))
+    return replace(link, bandwidth=link.bandwidth * min(1.0, nics / max(flows, 1)))
 
 
 def flat_seconds(kind: str, nbytes: float, g: int, link) -> float:

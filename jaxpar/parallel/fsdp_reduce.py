@@ -36,9 +36,11 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.collectives import communicator
-from jaxpar.parallel.compression import (FP16_MAX, INT8_CHUNK, Cast, CompressedCommunicator, Int8, _Exchange,
-                                         int8_encode)
+from jaxpar.parallel.collectives.communicators import communicator
+from jaxpar.parallel.compression.casts import FP16_MAX, Cast
+from jaxpar.parallel.compression.communicator import CompressedCommunicator
+from jaxpar.parallel.compression.exchange import Exchange
+from jaxpar.parallel.compression.int8 import INT8_CHUNK, Int8, int8_encode
 
 FLOAT32 = "float32"
 
@@ -87,7 +89,7 @@ def _whole_mean(wire, codec, leaves, fsdp):
         return []
     if wire == FLOAT32:
         return lax.pmean(leaves, fsdp)
-    means, _, _ = codec.mean(leaves, [], (), _Exchange(fsdp, "psum", None), lax.axis_size(fsdp), fsdp)  # no residual
+    means, _, _ = codec.mean(leaves, [], (), Exchange(fsdp, "psum", None), lax.axis_size(fsdp), fsdp)  # no residual
     return means
 
 
@@ -104,7 +106,7 @@ def _own_blocks(x, layout, fsdp):
 
 
 def _rows(blocks, dtype=jnp.float32):
-    """[F, total]: every block's rows side by side (written in place, see `collectives._one_buffer`)."""
+    """[F, total]: every block's rows side by side (written in place, see `collectives.buffers.one_buffer`)."""
     f = blocks[0].shape[0]
     buf, offset = jnp.zeros((f, sum(math.prod(b.shape[1:]) for b in blocks)), dtype), 0
     for b in blocks:

@@ -1,9 +1,5 @@
 """The ONE module that names mesh axes and says what each is for; mesh specs -> `jax.sharding.Mesh`.
 
-Why about 410 lines: the house rule puts every axis name and role here (tests/parallel/test_mesh.py lints it), so the spec
-parser, the device grid across processes, the roles a model's own axis names play on an explicit-sharding mesh, the
-mesh check and the questions asked by role are one module on purpose.
-
 Axes, outermost to innermost (the device grid is laid out in this order, so `model` gets the closest devices and
 `data` is the axis that crosses hosts first, then `stage`):
 
@@ -24,9 +20,6 @@ Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or
 `"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`; absent axes have size 1; `-1` once
 means all remaining devices. The positional forms never name `stage`: a pipeline is asked for by name.
 
-On a CPU-only machine the number of devices is a start-up setting of XLA. `make_mesh` provides it (unless the
-user already chose a count, or JAX has already started) so that `--mesh 2x4` just works on a laptop.
-
     >>> mesh = make_mesh("data=2,stage=2,model=2")    # doctest: +SKIP
     >>> dict(mesh.shape)                              # doctest: +SKIP
     {'data': 2, 'stage': 2, 'fsdp': 1, 'model': 2}
@@ -34,17 +27,17 @@ user already chose a count, or JAX has already started) so that `--mesh 2x4` jus
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import re
 
-import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from jaxpar.checks import is_int
 from jaxpar.errors import MeshError
+from jaxpar.parallel.device_grid import crossing_positions, device_grid
+# (in_mesh and tracing: asked as mesh_lib.in_mesh / mesh_lib.tracing across the library)
+from jaxpar.parallel.explicit_mesh import AUTO, AXIS_TYPES, EXPLICIT, in_mesh, is_explicit, tracing  # noqa: F401
+from jaxpar.runtime.cpu_devices import how_to_get_cpu_devices, started_devices
 
 DATA, STAGE, FSDP, MODEL = "data", "stage", "fsdp", "model"
 AXES = (DATA, STAGE, FSDP, MODEL)  # outermost to innermost: stages may cross hosts, tensor parallelism never does
@@ -135,13 +128,8 @@ def resolve_shape(shape: tuple[int, ...], num_devices: int, spec: str = "", *, l
         shape = tuple(num_devices // fixed if s == -1 else s for s in shape)
     needed = math.prod(shape)
     if needed > num_devices:
-        hint = ""
-        if cpu_hint:
-            hint = (f"; or, for {needed} CPU devices, set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
-                    f"or call jax.config.update('jax_num_cpu_devices', {needed}) before JAX starts (jaxpar.make_mesh "
-                    f"does this itself when it is the first to use JAX)")
         raise MeshError(f"{subject} needs {needed} devices but only {num_devices} are available; "
-                        f"try {fix(_suggest(shape, num_devices))}{hint}")
+                        f"try {fix(_suggest(shape, num_devices))}{how_to_get_cpu_devices(needed) if cpu_hint else ''}")
     return shape
 
 
@@ -156,30 +144,6 @@ def _suggest(shape: tuple[int, ...], num_devices: int) -> str:
     if sizes.get(FSDP, 1) == 1 and sizes.get(STAGE, 1) == 1:
         return f"{left}x{sizes.get(MODEL, 1)}"
     return format_shape(tuple([left] + [sizes[axis] for axis in AXES[1:]]))
-
-
-def user_set_cpu_device_count() -> bool:
-    """True when the user (or a test harness) already chose how many CPU devices XLA creates."""
-    return ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
-            or jax.config.jax_num_cpu_devices != -1)
-
-
-def backend_started() -> bool:
-    from jax._src import xla_bridge  # no public API answers "has JAX initialised its backends?"
-    return xla_bridge.backends_are_initialized()
-
-
-def ensure_cpu_devices(count: int) -> None:
-    """Asks XLA for `count` CPU devices if JAX has not started yet and nobody chose a count.
-
-    Harmless on GPU/TPU machines: the setting only affects the CPU backend.
-    """
-    if count > 1 and not backend_started() and not user_set_cpu_device_count():
-        jax.config.update("jax_num_cpu_devices", count)
-
-
-AUTO, EXPLICIT = "auto", "explicit"  # make_mesh's axis_types
-_AXIS_TYPES = {AUTO: AxisType.Auto, EXPLICIT: AxisType.Explicit}
 
 
 def check_roles(roles) -> dict[str, str]:
@@ -220,9 +184,8 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: 
     partitions what a sharding does not pin down (GSPMD style), which is what `NamedSharding` parameters and
     `shard_map(axis_names={REPLICA_AXIS})` expect.
 
-    On CPU, JAX creates its devices when it starts: `make_mesh` asks for as many as the mesh needs if it runs
-    first (and the user did not choose a count); a mesh larger than the devices JAX already started with is a
-    `MeshError` saying how to get more.
+    On CPU, `make_mesh` asks JAX for as many devices as the mesh needs if it runs first (`runtime.cpu_devices`);
+    a mesh larger than the devices JAX already started with is a `MeshError` saying how to get more.
 
     Models written for JAX's explicit sharding (jax-ml/bonsai's) name their own axes: `roles` maps each such name
     to the jaxpar role it plays (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`); the
@@ -231,73 +194,23 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: 
     the Trainer then traces under `jax.set_mesh`).
     """
     roles = check_roles(roles)
-    if axis_types not in _AXIS_TYPES:
+    if axis_types not in AXIS_TYPES:
         raise MeshError(f"axis_types {axis_types!r}: give {AUTO!r} (the compiler partitions what shardings leave "
                         f"open) or {EXPLICIT!r} (shardings in the arrays' types, for models written with "
                         f"out_sharding=P(...))")
     library = not isinstance(spec, str)
     shape = _tuple_shape(spec) if library else parse_mesh_spec(spec, roles)
-    started = backend_started()
+    cpu_hint = False
     if devices is None:
-        if -1 not in shape:
-            ensure_cpu_devices(math.prod(shape))
-        devices = jax.devices()
-        cpu_hint = started and devices[0].platform == "cpu"
-    else:
-        cpu_hint = False
+        devices, cpu_hint = started_devices(None if -1 in shape else math.prod(shape))
     shape = resolve_shape(shape, len(devices), repr(spec) if library else spec, library=library, cpu_hint=cpu_hint)
     grid = device_grid(shape, devices, repr(spec) if library else spec, library=library)
-    return Mesh(grid, axis_names_for(roles), axis_types=(_AXIS_TYPES[axis_types],) * len(AXES))
-
-
-def device_grid(shape: tuple[int, ...], devices, spec: str = "", *, library: bool = False) -> np.ndarray:
-    """The devices laid out as a (data, stage, fsdp, model) grid, keeping the inner axes inside a process (host).
-
-    One process: the first prod(shape) devices in order. Several processes (each with the same number of devices,
-    all of which the mesh must use): each axis is split into a part inside a process and a part across processes.
-    The inside parts are filled from the innermost axis out: `model` first (tensor-parallel traffic, the heaviest,
-    stays on a host's fast links), then `fsdp` (its per-layer all-gathers next), then `stage` (one activation per
-    tick), then `data`. What does not fit inside one process crosses processes, `data` first, then `stage`: a 2x4
-    mesh on 2 processes x 4 devices puts each data replica on one process; fsdp=8 on 2 x 4 splits fsdp into 4
-    inside x 2 across; stage=2,model=4 on 2 x 4 puts each stage on one process. Within a process devices keep
-    their id order; processes are ordered by process index.
-    """
-    count = math.prod(shape)
-    processes = sorted({d.process_index for d in devices})
-    if len(processes) == 1:
-        return np.asarray(list(devices)[:count], dtype=object).reshape(shape)
-    by_process = [sorted((d for d in devices if d.process_index == p), key=lambda d: d.id) for p in processes]
-    local = len(by_process[0])
-    subject = f"make_mesh({spec})" if library else f"--mesh {spec!r}"
-    if any(len(group) != local for group in by_process) or count != len(devices):
-        raise MeshError(f"{subject} uses {count} of {len(devices)} devices, but with {len(processes)} processes a "
-                        f"mesh must use every device of every process (each has {local}); use a mesh of "
-                        f"{len(devices)} devices, e.g. --mesh {len(devices) // local}x{local}")
-    inside, left = [1] * len(shape), local
-    for axis in reversed(range(len(shape))):  # innermost first
-        inside[axis] = math.gcd(shape[axis], left)
-        left //= inside[axis]
-    across = [s // i for s, i in zip(shape, inside)]
-    if left != 1 or math.prod(across) != len(processes):  # no clean split: keep the plain order
-        return np.asarray([d for group in by_process for d in group], dtype=object).reshape(shape)
-    # (across..., inside...) -> interleave each axis's across and inside parts -> the mesh shape
-    grid = np.empty((len(processes), local), dtype=object)
-    for row, group in enumerate(by_process):
-        grid[row, :] = group
-    grid = grid.reshape(*across, *inside)
-    n = len(shape)
-    order = [k for axis in range(n) for k in (axis, n + axis)]
-    return grid.transpose(order).reshape(shape)
+    return Mesh(grid, axis_names_for(roles), axis_types=(AXIS_TYPES[axis_types],) * len(AXES))
 
 
 def crossing_axes(mesh: Mesh) -> list[str]:
     """The axes whose groups span more than one process (their collectives cross hosts)."""
-    out = []
-    for position, axis in enumerate(AXES):
-        rows = np.moveaxis(mesh.devices, position, -1).reshape(-1, mesh.devices.shape[position])
-        if any(len({d.process_index for d in row}) > 1 for row in rows):
-            out.append(axis)
-    return out
+    return [AXES[position] for position in crossing_positions(mesh.devices)]
 
 
 _TUPLE_FORMS = ("give an int (data), a tuple of 1 to 3 sizes ((data,), (data, model) or (data, fsdp, model)) of "
@@ -305,14 +218,10 @@ _TUPLE_FORMS = ("give an int (data), a tuple of 1 to 3 sizes ((data,), (data, mo
                 "axis only by name: 'data=2,stage=2,model=2')")
 
 
-def _as_sizes(spec) -> tuple:
-    return (spec,) if is_int(spec) else tuple(spec)
-
-
 def _tuple_shape(spec) -> tuple[int, ...]:
     """Sizes of `AXES` from an int or a tuple spec (-1 kept, for `resolve_shape`)."""
     try:
-        sizes = _as_sizes(spec)
+        sizes = (spec,) if is_int(spec) else tuple(spec)
     except TypeError:
         raise MeshError(f"make_mesh({spec!r}): not a mesh spec; {_TUPLE_FORMS}") from None
     if len(sizes) not in _POSITIONAL:
@@ -340,7 +249,7 @@ def check_mesh(mesh) -> None:
         raise MeshError(f"mesh with axes {names}: jaxpar needs a mesh from jaxpar.make_mesh with axes "
                         f"{', '.join(AXES)} (or your own names for them, make_mesh(..., roles={{'tp': '{MODEL}'}})); "
                         f"{fix}")
-    if len(set(mesh.axis_types)) != 1 or mesh.axis_types[0] not in _AXIS_TYPES.values():
+    if len(set(mesh.axis_types)) != 1 or mesh.axis_types[0] not in AXIS_TYPES.values():
         raise MeshError(f"mesh with axis types {tuple(str(t) for t in mesh.axis_types)}: jaxpar needs all axes "
                         f"AxisType.Auto or all AxisType.Explicit (make_mesh(..., axis_types='explicit')); {fix}")
 
@@ -363,40 +272,9 @@ def axis_names(mesh, axes) -> tuple[str, ...]:
     return tuple(axis_name(mesh, a) for a in ((axes,) if isinstance(axes, str) else axes))
 
 
-def is_explicit(mesh) -> bool:
-    """True when the mesh's axes are `AxisType.Explicit`: tracing must then happen under `jax.set_mesh`."""
-    return bool(mesh.axis_types) and all(t == AxisType.Explicit for t in mesh.axis_types)
-
-
 def own_names(mesh) -> bool:
     """True when the mesh is not one of today's: its axes carry the model's own names, or they are Explicit."""
     return tuple(mesh.axis_names) != AXES or is_explicit(mesh)
-
-
-def tracing(mesh):
-    """The context jaxpar traces, initialises, steps and evaluates in: `jax.set_mesh(mesh)` on an Explicit mesh
-    (partition specs inside the model need it, and it cannot be entered inside jit), nothing otherwise."""
-    return jax.set_mesh(mesh) if is_explicit(mesh) else contextlib.nullcontext()
-
-
-def in_mesh(jitted, mesh):
-    """`jitted` as it is on an Auto mesh (nothing added to a step's dispatch); on an Explicit mesh, an `InMesh`."""
-    return InMesh(jitted, mesh) if is_explicit(mesh) else jitted
-
-
-class InMesh:
-    """A jitted function called and lowered under `tracing(mesh)` (jit traces at its first call or `lower`)."""
-
-    def __init__(self, jitted, mesh):
-        self.jitted, self.mesh = jitted, mesh
-
-    def __call__(self, *args, **kwargs):
-        with tracing(self.mesh):
-            return self.jitted(*args, **kwargs)
-
-    def lower(self, *args, **kwargs):
-        with tracing(self.mesh):
-            return self.jitted.lower(*args, **kwargs)
 
 
 def size(mesh: Mesh, axes) -> int:

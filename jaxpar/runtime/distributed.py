@@ -144,7 +144,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if local_devices:
             _set_cpu_devices(local_devices)
         return False
-    from jaxpar.parallel.mesh import backend_started
+    from jaxpar.runtime.cpu_devices import backend_started
 
     if backend_started():
         raise OptionError("initialize", "late", "jaxpar.runtime.distributed.initialize must run before anything else uses "
@@ -176,7 +176,7 @@ def one_buffer_gradients(mesh) -> bool:
 
 
 def _set_cpu_devices(count: int) -> None:
-    from jaxpar.parallel.mesh import user_set_cpu_device_count
+    from jaxpar.runtime.cpu_devices import user_set_cpu_device_count
 
     if not user_set_cpu_device_count():
         jax.config.update("jax_num_cpu_devices", count)
@@ -184,7 +184,7 @@ def _set_cpu_devices(count: int) -> None:
 
 def process_index() -> int:
     """This process's rank (0 in a single process), without starting JAX's devices if nothing has yet."""
-    from jaxpar.parallel.mesh import backend_started
+    from jaxpar.runtime.cpu_devices import backend_started
 
     if _started is not None:
         return _started["process_id"]

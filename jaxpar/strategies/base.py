@@ -1,33 +1,10 @@
-"""The contract between the trainer and a strategy: a small object of pure functions, in the spirit of optax.
+"""The contract between the trainer and a strategy (`Strategy`, what a step is built from and returns), and
+`StrategyBase`, what the built-in strategies share (their communicator and straggler profile, checked against the
+mesh).
 
-A strategy decides how data replicas agree on parameters. It owns every fact about itself; no module outside
-`jaxpar.strategies` names a strategy or a step variant, they ask the strategy:
-
-- `init(ctx, state) -> state`: rearranges a fresh, strategy-free `TrainState` (inside the jitted initialisation),
-  e.g. adds per-replica parameters to `strategy_state` (always a dict of named parts);
-- `reduce(state) -> state` (a classmethod: it needs no instance): the inverse, back to the strategy-free state, for
-  a restore onto another mesh, replica count or strategy (per-replica copies averaged as at a meeting, stale
-  versions dropped). It works on any tree with the same nesting: a real `TrainState`, or a checkpoint's arrays
-  nested by name. `kept_on_restore` names the `TrainState` fields of the strategy's own that carry over when the
-  same strategy restores onto another replica count (DiLoCo's outer optimizer state); `REDUCE_NOTE` says what
-  `reduce` did, for the restore's note;
-- `shardings(ctx, shardings) -> shardings`: the `NamedSharding`s of what `init` returns;
-- `steps(ctx) -> {variant name: Variant}`: pure step functions `step(state, batch, inputs) -> (state, metrics)`
-  with what the trainer must know about each (`Variant`); several variants exist when communication differs
-  between steps (local SGD's local step has no collective at all, its meeting does);
-- `variant_shares() -> {variant: share of a long run's steps}` (None: a fixed number of steps at the start);
-- `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small per-step
-  arrays it needs (participation flags, staleness indices) and host-side metrics;
-- `theory(ctx, variant, gradient_bytes) -> [Expected]`: the data-axis exchanges the variant should contain, for
-  `explain`'s theory lines;
-- `project(exchange_seconds, local_seconds, period) -> (seconds, how)` (a classmethod): its mean step time
-  projected from another run's exchanging and local step times (for `explain`'s comparison of strategies);
-  `period`: the steps between exchanges over the replica axis (1 for every strategy but local SGD / DiLoCo);
-- `clock`: its simulated clock (`sim_time`), priced by the trainer when a hardware profile is given.
-
-Strategies keep no hidden state: `plan` is a pure function of (replica count, step number) and the strategy's
-configuration (memoised per replica count), and everything on device lives in `TrainState`, so it is jitted,
-donated and checkpointed as one.
+A strategy decides how data replicas agree on parameters; the Trainer needs only the core the `Strategy` protocol
+lists. What other parts of jaxpar know of a strategy lives with them, keyed by strategy class: e.g. its prices in
+`jaxpar.cost.strategy_costs`, its restore notes in `jaxpar.io.checkpoint.strategy_notes`.
 """
 
 from __future__ import annotations
@@ -37,13 +14,17 @@ from typing import Any, Callable, NamedTuple, Protocol
 import optax
 from jax.sharding import Mesh
 
+from jaxpar.checks import check_int
+from jaxpar.errors import ConfigError, OptionError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import Communicator
+from jaxpar.parallel.collectives import communicator as make_communicator
+from jaxpar.parallel.compression import compressed, parse_codec
+from jaxpar.strategies.stragglers import Stragglers, as_stragglers
 from jaxpar.train.step import LossFn, TrainState
 
-
-# BatchNorm statistics: over the global batch, or each replica's slice (`Strategy.local_statistics` decides which a
-# strategy's steps can give; the CLI's --bn values)
+# BatchNorm statistics: over the global batch, or each replica's slice (`StrategyBase.local_statistics` decides
+# which a strategy's steps can give; the CLI's --bn values)
 BN_SYNC, BN_LOCAL = "sync", "local"
 
 
@@ -75,15 +56,6 @@ class Variant(NamedTuple):
     per_replica_metrics: bool = False  # its metrics are [R] arrays, one value per replica, left where they are
 
 
-class Expected(NamedTuple):
-    """An exchange over the replica axis that theory says a step variant contains (for `explain`)."""
-
-    what: str  # e.g. "gradient average"
-    kind: str  # "all-reduce" (psum / ring / torus2d: 2(N-1)/N x bytes per device) or "ps" ((N-1) x bytes at the root)
-    bytes: int  # the payload per replica
-    share: float = 1.0  # how often per step (a meeting every H steps: 1/H)
-
-
 class Plan(NamedTuple):
     variant: str  # key into `steps(ctx)`
     inputs: dict = {}  # small arrays passed to the step as its third argument
@@ -95,13 +67,65 @@ StepFn = Callable[[TrainState, dict, dict], "tuple[TrainState, dict]"]
 
 
 class Strategy(Protocol):
+    """How data replicas agree on parameters: a small object of pure functions, in the spirit of optax's
+    `GradientTransformation`. The Trainer needs only this core:
+
+    - `name`: what checkpoints and messages call it;
+    - `init(ctx, state) -> state`: rearranges a fresh, strategy-free `TrainState` (inside the jitted
+      initialisation), e.g. adds per-replica parameters to `strategy_state` (always a dict of named parts);
+    - `reduce(state) -> state` (a classmethod: it needs no instance): the inverse, back to the strategy-free state,
+      for a restore onto another mesh, replica count or strategy. It works on any tree with the same nesting: a
+      real `TrainState`, or a checkpoint's arrays nested by name;
+    - `shardings(ctx, shardings) -> shardings`: the `NamedSharding`s of what `init` returns;
+    - `steps(ctx) -> {variant name: Variant}`: pure step functions `step(state, batch, inputs) -> (state, metrics)`
+      with what the trainer must know about each; several variants exist when communication differs between steps
+      (local SGD's local step has no collective at all, its meeting does);
+    - `plan(ctx, step_number) -> Plan`: which variant runs for the update with that (0-based) number, the small
+      per-step arrays it needs and host-side metrics.
+
+    Two attributes are read when present: `communicator` (its averaging algorithm, a `jaxpar.Communicator`; absent
+    or None: the compiler's) and `clock` (a `jaxpar.strategies.clock.Clock` behind the `sim_time` metric; absent
+    or None: no `sim_time`). A strategy keeps no hidden state: `plan` is a pure function of (replica count, step
+    number) and its configuration, and everything on device lives in `TrainState`, so it is jitted, donated and
+    checkpointed as one.
+
+    A strategy of your own, per-step synchronous SGD written by hand (what `jaxpar.Sync()` does)::
+
+        from jaxpar.strategies import Plan, Variant
+        from jaxpar.train.step import apply_gradients, loss_and_grad, step_key
+
+        class PerStepSync:
+            name = "per_step_sync"
+
+            def init(self, ctx, state):
+                return state
+
+            @classmethod
+            def reduce(cls, state):
+                return state
+
+            def shardings(self, ctx, shardings):
+                return shardings
+
+            def steps(self, ctx):
+                def step(state, batch, inputs):
+                    loss, metrics, model_state, grads = loss_and_grad(
+                        ctx.graphdef, ctx.loss_fn, state.params, state.model_state, batch, step_key(state),
+                        ctx.grad_accum)
+                    params, opt_state = apply_gradients(ctx.tx, state.params, state.opt_state, grads)
+                    return state._replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                          model_state=model_state), {"loss": loss, **metrics}
+                return {"step": Variant(step)}
+
+            def plan(self, ctx, step_number):
+                return Plan("step")
+
+    `jaxpar.Trainer(..., strategy=PerStepSync())` trains with it (the trainer checks every update for non-finite
+    values around a variant that does not guard itself); `jaxpar.explain` prices it as
+    `jaxpar.cost.strategy_costs` says of a strategy it does not know.
+    """
+
     name: str
-    local_statistics: bool  # replicas compute on their own slice, so BatchNorm statistics are per replica
-    kept_on_restore: tuple  # TrainState fields of its own that a restore onto another replica count keeps
-    REDUCE_NOTE: str  # what `reduce` does, for a restore's note ("{replicas}": the saved replica count)
-    communicator: Communicator | None
-    clock: Any
-    period: int  # steps between exchanges over the replica axis
 
     def init(self, ctx: StepContext, state: TrainState) -> TrainState: ...
 
@@ -112,11 +136,58 @@ class Strategy(Protocol):
 
     def steps(self, ctx: StepContext) -> dict[str, Variant]: ...
 
-    def variant_shares(self) -> dict[str, float | None]: ...
-
     def plan(self, ctx: StepContext, step_number: int) -> Plan: ...
 
-    def theory(self, ctx: StepContext, variant: str, gradient_bytes: int) -> list[Expected]: ...
 
-    @classmethod
-    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]: ...
+class StrategyBase:
+    """What the built-in strategies share: `communicator` (None = the compiler's all-reduce), a codec around it
+    (`compress`), and `stragglers` (the profile their clock runs on); checked against the mesh."""
+
+    local_statistics = True  # replicas compute on their own slice, so BatchNorm statistics are per replica
+    DEFAULT_ALLREDUCE: str | None = "psum"  # the averaging when none is given (None: the compiler's, one jit step)
+
+    def __init__(self, allreduce, torus_x, stragglers):
+        cls = type(self).__name__
+        allreduce = self.DEFAULT_ALLREDUCE if allreduce is None else allreduce
+        if allreduce is not None and not isinstance(allreduce, (str, Communicator)):
+            raise ConfigError(f"{cls}(allreduce={allreduce!r}): must be None or one of 'psum', 'ring', 'torus2d', "
+                              f"'ps' (or a jaxpar.Communicator)")
+        check_int(f"{cls}(torus_x=...)", torus_x, 1, "X of the X x Y torus2d grid", optional=True)
+        if stragglers is not None and not isinstance(stragglers, (str, Stragglers)):
+            raise ConfigError(f"{cls}(stragglers={stragglers!r}): must be None or a profile string like '3:2.0' "
+                              f"(replica 3 is 2x slower)")
+        if torus_x is not None and allreduce is None:
+            make_communicator("psum", torus_x)  # raises: a torus X applies only to torus2d
+        self.communicator = None if allreduce is None else make_communicator(allreduce, torus_x)
+        self.stragglers = as_stragglers(stragglers)
+
+    @property
+    def allreduce(self) -> str | None:
+        return None if self.communicator is None else self.communicator.name
+
+    @property
+    def torus_x(self) -> int | None:
+        return None if self.communicator is None else self.communicator.torus_x
+
+    def _compress(self, compress) -> None:
+        """Wraps this strategy's exchange over the replica axis in the codec `compress` names (None / 'none':
+        unchanged; a codec object is taken as it is). A codec wraps a hand-written exchange; the compiler's
+        averaging (`Sync()`'s default, no communicator) has none to wrap, so it needs an explicit allreduce."""
+        codec = parse_codec(compress) if compress is None or isinstance(compress, str) else compress
+        if codec is None:
+            return
+        if self.communicator is None:
+            raise OptionError("compress", compress, "needs an explicit {allreduce} (psum, ring, torus2d or ps) to "
+                                                    "wrap; the compiler's averaging cannot be compressed")
+        self.communicator = compressed(self.communicator, codec)
+
+    def check_against_mesh(self, ctx) -> None:
+        """The checks that need the replica count, run when the trainer is built (before anything compiles)."""
+        self.stragglers.check(ctx.num_replicas)
+        if self.local_statistics and mesh_lib.own_names(ctx.mesh):
+            raise ConfigError(f"strategy {self.name!r} (allreduce {self.allreduce or 'psum'!r}): its replicas run "
+                              f"in a shard_map over the replica axis, which jaxpar does not build yet on a mesh with "
+                              f"the model's own axis names or Explicit axes ({mesh_lib.shape_line(ctx.mesh)}); use "
+                              f"jaxpar.Sync() (the compiler's averaging) on this mesh")
+        if self.communicator is not None:
+            self.communicator.check(ctx.num_replicas)

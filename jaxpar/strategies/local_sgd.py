@@ -30,20 +30,20 @@ import optax
 from jaxpar.parallel.partitioning import communicator_specs, optimizer_shardings, stacked
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import Clock, StrategyBase, check_int, meeting_rounds
+from jaxpar.checks import check_int
+from jaxpar.strategies.base import Plan, StrategyBase, Variant
+from jaxpar.strategies.clock import Clock, meeting_rounds
 
 SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
-PERIOD = 4  # the default steps between meetings H
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's default outer optimizer: Nesterov SGD with these
 
 
 class LocalSGD(StrategyBase):
     name = "local_sgd"
+    SYNC, LOCAL, MEET = "sync", "local", "meet"  # its step variants: post-local SGD's synchronous one, local, meeting
+    DEFAULT_PERIOD = 4  # steps between meetings
     local_statistics = True
-    REDUCE_NOTE = "the {replicas} replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
-    def __init__(self, period: int = PERIOD, local_after: int = 0, *, allreduce: str | None = None,
+    def __init__(self, period: int = DEFAULT_PERIOD, local_after: int = 0, *, allreduce: str | None = None,
                  torus_x: int | None = None, stragglers=None, compress: str | None = None):
         cls = type(self).__name__
         check_int(f"{cls}(period=...)", period, 1, "steps between meetings; 1 = average after every step")
@@ -93,40 +93,21 @@ class LocalSGD(StrategyBase):
         return shardings._replace(opt_state=self._anchor_opt_shardings(ctx), strategy_state=replica)
 
     # --- schedule ----------------------------------------------------------------------------------------------
-    def variant_shares(self) -> dict:
-        """Each step variant's share of a long run's steps (post-local SGD's synchronous steps: the first K only)."""
-        shares = {"sync": None} if self.local_after else {}
-        if self.period > 1:
-            shares["local"] = (self.period - 1) / self.period
-        return {**shares, "meet": 1 / self.period}
-
     def plan(self, ctx, step_number: int) -> Plan:
         if step_number < self.local_after:
-            variant = "sync"
+            variant = self.SYNC
         elif (step_number - self.local_after + 1) % self.period == 0:
-            variant = "meet"
+            variant = self.MEET
         else:
-            variant = "local"
+            variant = self.LOCAL
         return Plan(variant)
-
-    @classmethod
-    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
-        """H - 1 local steps, then a meeting; H is the other run's period, or this strategy's default."""
-        h = period if period > 1 else PERIOD
-        return ((h - 1) * local + exchange) / h, f"{h - 1} local steps, then a meeting (H = {h})"
-
-    def theory(self, ctx, variant: str, gradient_bytes: int):
-        if variant == "meet":
-            what = "outer gradients" if _codec(self.communicator) else "parameters"
-            return [self._exchange(what, gradient_bytes, 1 / self.period)]
-        return [self._exchange("gradients", gradient_bytes)] if variant == "sync" else []
 
     # --- steps -------------------------------------------------------------------------------------------------
     def steps(self, ctx):
         per_replica = self._metrics_out()[1] != SAME
-        return {"local": Variant(self._local_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
-                "meet": Variant(self._meet_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
-                "sync": Variant(self._sync_step(ctx))}
+        return {self.LOCAL: Variant(self._local_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
+                self.MEET: Variant(self._meet_step(ctx), guards_itself=True, per_replica_metrics=per_replica),
+                self.SYNC: Variant(self._sync_step(ctx))}
 
     def _replica_update(self, ctx, replica, batch, key, average: bool, comm_state=(), mean_metrics=True):
         grads, model_state, metrics, comm_state = rep.replica_step(
@@ -244,16 +225,18 @@ class LocalSGD(StrategyBase):
 
 class DiLoCo(LocalSGD):
     name = "diloco"
-    kept_on_restore = ("opt_state",)  # the outer optimizer's state does not depend on the replica count
+    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # the default outer optimizer: Nesterov SGD with these
 
-    def __init__(self, period: int = PERIOD, outer_optimizer: optax.GradientTransformation | None = None, *,
+    def __init__(self, period: int = LocalSGD.DEFAULT_PERIOD,
+                 outer_optimizer: optax.GradientTransformation | None = None, *,
                  local_after: int = 0, allreduce: str | None = None, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
         super().__init__(period, local_after, allreduce=allreduce, torus_x=torus_x, stragglers=stragglers,
                          compress=compress)
         if outer_optimizer is not None:
             check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)
-        self.outer_tx = outer_optimizer or optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        self.outer_tx = outer_optimizer or optax.sgd(self.DEFAULT_OUTER_LR, momentum=self.DEFAULT_OUTER_MOMENTUM,
+                                                     nesterov=True)
 
     def _anchor_opt_state(self, ctx, params):
         return self.outer_tx.init(params)

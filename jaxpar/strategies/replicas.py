@@ -33,7 +33,7 @@ from jaxpar.train.step import loss_and_grad
 
 AXIS = mesh_lib.REPLICA_AXIS
 SHARDED = shd.PER_REPLICA  # one entry per replica
-BATCH = shd.REPLICA_ROWS  # the batch's rows, one slice per replica
+BATCH = shd.PER_REPLICA  # the batch's rows, one slice per replica
 SAME = shd.REPLICATED  # the same on every replica
 
 

@@ -1,7 +1,7 @@
 """Stale-synchronous (SSP) and asynchronous (ASP) updates, emulated exactly on an SPMD mesh.
 
 One SPMD program cannot let replicas run out of step, so the parameter-server semantics are replayed: a host-side
-event simulation (`simulator.simulate`, deterministic from the straggler profile and its seed) decides for every
+event simulation (`simulation.simulate`, deterministic from the straggler profile and its seed) decides for every
 server update which replicas deliver a gradient and on which past parameter version each was computed. The device
 keeps the last B versions of the parameters in a ring buffer (sharded like the parameters); each replica reads the
 version it was assigned, computes its gradient on its slice of the batch, and the server applies the mean of the
@@ -27,29 +27,21 @@ from jaxpar.runtime.resources import device_memory
 from jaxpar.train.faults import guarded_update, keep_unless
 from jaxpar.train.step import step_key
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import Clock, StrategyBase, check_int
-from jaxpar.cost.simulator import MAX_SIMULATED_UPDATES, check_update_count
+from jaxpar.checks import check_int
+from jaxpar.strategies.base import Plan, StrategyBase, Variant
+from jaxpar.strategies.clock import Clock
+from jaxpar.strategies.simulation import MAX_SIMULATED_UPDATES, check_update_count
 
 
 class SSP(StrategyBase):
     name = "ssp"
+    UPDATE = "update"  # its one step variant: a server update
     local_statistics = True
     bounded = True  # staleness is bounded (ASP: None)
-    REDUCE_NOTE = "its stale parameter versions were dropped: every replica restarts from the current parameters"
 
     @classmethod
     def reduce(cls, state):
         return state._replace(strategy_state=())
-
-    @classmethod
-    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
-        if not cls.bounded:
-            return exchange, "an exchange per update; never waits for stragglers"
-        return exchange, "an exchange per update; with stragglers it waits less than sync"
-
-    def theory(self, ctx, variant: str, gradient_bytes: int):
-        return [self._exchange("gradients", gradient_bytes)]
 
     def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
@@ -60,7 +52,7 @@ class SSP(StrategyBase):
         check_int(f"{cls}(max_buffer_bytes=...)", max_buffer_bytes, 1, "None = half the device memory", optional=True)
         super().__init__(allreduce, torus_x, stragglers)
         self.bound, self.horizon, self.max_buffer_bytes = staleness, horizon, max_buffer_bytes
-        self.clock = Clock(self.stragglers, staleness, lambda update: ("update",))
+        self.clock = Clock(self.stragglers, staleness, lambda update: (self.UPDATE,))
         self._buffers: dict[int, int] = {}  # replica count -> B
 
     # --- host-side schedule (pure functions of the replica count, memoised) --------------------------------------
@@ -91,10 +83,6 @@ class SSP(StrategyBase):
                 self._buffers[num_replicas] = int(max(u.staleness.max() for u in horizon)) + 1
         return self._buffers[num_replicas]
 
-    def variant_shares(self) -> dict:
-        """Each step variant's share of a long run's steps."""
-        return {"update": 1.0}
-
     def plan(self, ctx, step_number: int) -> Plan:
         replicas = ctx.num_replicas
         update = self.schedule(replicas, step_number + 1)[step_number]
@@ -105,7 +93,7 @@ class SSP(StrategyBase):
                               f"buffer holds {buffer}; plan at least as many updates as you train (horizon)")
         inputs = {"participation": update.participants.astype(np.float32),
                   "staleness": update.staleness.astype(np.int32)}
-        return Plan("update", inputs, {"staleness_mean": float(stale.mean()),
+        return Plan(self.UPDATE, inputs, {"staleness_mean": float(stale.mean()),
                                        "staleness_max": float(stale.max()), "contributors": float(len(stale)),
                                        "version_buffer": float(buffer)},
                     work_fraction=len(stale) / replicas)
@@ -159,7 +147,7 @@ class SSP(StrategyBase):
                                   opt_state=new.opt_state, strategy_state={"versions": versions, "version": version},
                                   comm_state=keep_unless(ctx, new.ok, comm_state, state.comm_state)), new.metrics
 
-        return {"update": Variant(step, guards_itself=True)}  # `guarded_update`: checked before it is applied
+        return {self.UPDATE: Variant(step, guards_itself=True)}  # `guarded_update`: checked before it is applied
 
 
 class ASP(SSP):

@@ -22,21 +22,22 @@ from __future__ import annotations
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.partitioning import communicator_specs, constrain, gathered_over
 from jaxpar.strategies import replicas as rep
-from jaxpar.strategies.base import Plan, Variant
-from jaxpar.strategies.common import Clock, StrategyBase
+from jaxpar.strategies.base import Plan, StrategyBase, Variant
+from jaxpar.strategies.clock import Clock
 from jaxpar.train.faults import guarded_update, keep_unless
 from jaxpar.train.step import TrainState, loss_and_grad, step_key
 
 
 class Sync(StrategyBase):
     name = "sync"
+    SYNC = "sync"  # its one step variant
     DEFAULT_ALLREDUCE = None  # the partitioner's: one jit step over the whole global batch
 
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
         super().__init__(allreduce, torus_x, stragglers)
         self._compress(compress)
-        self.clock = Clock(self.stragglers, 0, lambda update: ("sync",))
+        self.clock = Clock(self.stragglers, 0, lambda update: (self.SYNC,))
 
     @property
     def local_statistics(self) -> bool:
@@ -59,20 +60,8 @@ class Sync(StrategyBase):
         self.check_against_mesh(ctx)
         return shardings
 
-    def variant_shares(self) -> dict:
-        """Each step variant's share of a long run's steps."""
-        return {"sync": 1.0}
-
     def plan(self, ctx, step_number: int) -> Plan:
-        return Plan("sync")
-
-    @classmethod
-    def project(cls, exchange: float, local: float, period: int) -> tuple[float, str]:
-        """(mean seconds per step, how) of this strategy from another run's exchanging and local step times."""
-        return exchange, "compute, within-replica collectives and the exchange over data every step"
-
-    def theory(self, ctx, variant: str, gradient_bytes: int):
-        return [self._exchange("gradients", gradient_bytes)]
+        return Plan(self.SYNC)
 
     def steps(self, ctx):
         # The default stays the compiler's step on every mesh, also on several CPU processes where XLA:CPU sends
@@ -81,7 +70,7 @@ class Sync(StrategyBase):
         # global loss only for a plain mean over examples). docs/processes.md, "Measured".
         # both check the update before applying it (`guarded_update`): no collective over data for the guard
         step = self._compiler_step(ctx) if self.communicator is None else self._explicit_step(ctx)
-        return {"sync": Variant(step, guards_itself=True)}
+        return {self.SYNC: Variant(step, guards_itself=True)}
 
     def _compiler_step(self, ctx):
         zero3 = mesh_lib.size(ctx.mesh, mesh_lib.FSDP_AXIS) > 1

@@ -12,7 +12,7 @@ from jaxpar.checks import check_int
 from jaxpar.errors import ConfigError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.plan_notes import PlanNotes
+from jaxpar.parallel.sharding_notes import ShardingNotes
 from jaxpar.parallel.path_rules import normalize_path_rules
 from jaxpar.pipeline.config import Pipeline
 from jaxpar.strategies import StepContext
@@ -20,8 +20,8 @@ from jaxpar.train.linen import LinenModel
 from jaxpar.train.step import TrainState, check_optimizer, split_model
 
 
-# the strategy methods a Trainer calls (explain and the CLI ask for more: see jaxpar.strategies.base.Strategy)
-TRAINER_NEEDS = ("init", "reduce", "shardings", "steps", "plan", "variant_shares")
+# the strategy methods a Trainer calls (the core: jaxpar.strategies.base.Strategy)
+TRAINER_NEEDS = ("init", "reduce", "shardings", "steps", "plan")
 
 
 def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite) -> None:
@@ -37,12 +37,12 @@ def check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, gra
     check_optimizer("optimizer", optimizer)
     check_int("grad_accum", grad_accum, 1, "microbatches per update")
     if strategy is not None:
-        missing = [m for m in TRAINER_NEEDS if not callable(getattr(strategy, m, None))] + [
-            a for a in ("name", "communicator", "clock") if not hasattr(strategy, a)]
+        missing = [m for m in TRAINER_NEEDS if not callable(getattr(strategy, m, None))] + (
+            [] if hasattr(strategy, "name") else ["name"])
         if missing:
             raise ConfigError(f"strategy {strategy!r}: not a strategy (it lacks {', '.join(missing)}; see "
                               f"jaxpar.strategies.base.Strategy); pass e.g. jaxpar.Sync(), jaxpar.LocalSGD(period=4) "
-                              f"or jaxpar.SSP(staleness=2), or subclass jaxpar.strategies.common.StrategyBase")
+                              f"or jaxpar.SSP(staleness=2), or write one (the example in jaxpar.strategies.Strategy)")
     if not isinstance(skip_nonfinite, bool):
         raise ConfigError(f"skip_nonfinite {skip_nonfinite!r}: must be True (skip a step whose loss or update is "
                           f"not finite) or False (apply it)")
@@ -63,7 +63,7 @@ class StatePlan(NamedTuple):
     eval_graphdef: Any  # the model's structure in eval mode
     neutral_shardings: TrainState  # of the strategy-free state
     state_shardings: TrainState  # of the strategy's state
-    notes: PlanNotes  # what the sharding plan decided that the user should hear
+    notes: ShardingNotes  # what placing the state decided that the user should hear
 
 
 def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, grad_accum: int,
@@ -92,14 +92,14 @@ def state_plan(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy, g
     graphdef, abs_params, abs_model_state = split_model(abstract)
 
     linen_model = isinstance(abstract, LinenModel)
-    notes = PlanNotes(library="linen" if linen_model else "nnx")
+    notes = ShardingNotes(library="linen" if linen_model else "nnx")
     # a wrapped Linen module's parameters sit under the wrapper's `linen` attribute: path rules see Linen's paths
     param_sh = shd.state_shardings(abs_params, rules, mesh, strict, notes, path_rules, path_root=int(linen_model))
     model_state_sh = shd.state_shardings(abs_model_state, rules, mesh, strict)
     opt_sh = shd.optimizer_shardings(optimizer, jax.eval_shape(optimizer.init, abs_params), param_sh, mesh)
     ctx = StepContext(graphdef, abs_params, loss_fn, optimizer, mesh, param_sh, model_state_sh, opt_sh, grad_accum,
-                      strategy.communicator, skip_nonfinite)
-    comm = strategy.communicator
+                      getattr(strategy, "communicator", None), skip_nonfinite)
+    comm = ctx.communicator
     comm_sh = () if comm is None else shd.communicator_shardings(
         jax.eval_shape(lambda p: comm.init_state(p, ctx.num_replicas), abs_params), param_sh, mesh)
     neutral = TrainState(shd.replicated(mesh), param_sh, model_state_sh, opt_sh, (), shd.replicated(mesh), comm_sh)

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.checks import check_int
-from jaxpar.cost import codecs
+from jaxpar.cost import codecs, strategy_costs
 from jaxpar.cost.hardware import parse_hardware
 from jaxpar.cost.topology import aligned
 from jaxpar.errors import ConfigError, ModelCallError, ResourceError, StateError
@@ -155,8 +155,10 @@ class Trainer:
         self._other_remat: dict = {}  # (variant, policy) -> the step jitted under another remat policy (explain's advice)
         self._eval = mesh_lib.in_mesh(jax.jit(self._scoped(self._eval_step), in_shardings=(
             self.state_shardings, self.batch_sharding), out_shardings=shd.replicated(mesh)), mesh)
-        # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given
-        self.clock = self.strategy.clock.priced(self.variant_cost if self.hardware else None)
+        # the strategy's simulated clock (sim_time), priced here by the compiled steps when a profile is given; a
+        # strategy without one reports no sim_time
+        clock = getattr(self.strategy, "clock", None)
+        self.clock = None if clock is None else clock.priced(self.variant_cost if self.hardware else None)
 
     def _jit_step(self, variant, remat):
         """The jitted step of a strategy `variant` under the remat policy `remat`."""
@@ -415,7 +417,7 @@ class Trainer:
 
     def _price(self, variant: str, compiled) -> None:
         if self.hardware is not None:
-            expected = self.strategy.theory(self.ctx, variant, 0)
+            expected = strategy_costs.theory(self.strategy, variant, 0)
             gradients = any(e.what == "gradients" for e in expected)
             self.step_costs[variant] = codecs.compiled_step_cost(self, compiled, gradients, bool(expected))
 

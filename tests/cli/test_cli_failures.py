@@ -26,7 +26,7 @@ from jaxpar.cli.notes import run_notes
 from jaxpar.cli.strategies import from_config as strategy_from_config
 from jaxpar.io.metrics import JsonlFile, RunLogger
 from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
-from jaxpar.cost.simulator import parse_stragglers
+from jaxpar.strategies.stragglers import parse_stragglers
 from tests.helpers import clock_times, child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,12 +11,13 @@ import optax
 import pytest
 
 import jaxpar
+from jaxpar.advisor import advise
+from jaxpar.advisor.prices import codec_seconds
 from jaxpar.cost import codecs
-from jaxpar.cost import plan as advisor
 from jaxpar.cost.explain import format_explain
 from jaxpar.parallel.mesh import REPLICA_AXIS
 from tests.helpers import batch_for, trainer_for
-from tests.cost.test_plan import BATCH, MESHES, Wide, loss
+from tests.advisor.test_advisor import BATCH, MESHES, Wide, loss
 
 SLOW_LINK = "flops=1e9,alpha=1e-6,bandwidth=1e12,data.alpha=1e-6,data.bandwidth=1e5"  # 100 KB/s between replicas
 FAST_LINK = "flops=1e8,alpha=1e-6,bandwidth=1e12"  # free bytes, slow devices: the codec's compute shows
@@ -105,19 +106,19 @@ def test_a_slow_data_link_makes_powersgd_win_sim_time_and_a_fast_one_makes_it_lo
 def test_the_advisor_weighs_codecs_against_the_link():
     ratios = {"sync compress=powersgd:4": 1.0, "sync compress=int8": 1.0, "sync compress=bf16": 1.0}
     meshes = MESHES[:1]  # data=4: the exchange crosses the data link
-    slow = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
+    slow = advise(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
                         periods=(), steps_ratio=ratios)
     labels = [c.strategy for c in slow["plans"]]
     assert labels[0].endswith("compress=powersgd:4"), labels
     best = slow["plans"][0]
     assert "--compress powersgd:4" in best.flags and best.parts["compute"] > 0
-    fast = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, FAST_LINK, 4, meshes=meshes, remats=("none",),
+    fast = advise(Wide, loss, optax.sgd(0.1), BATCH, FAST_LINK, 4, meshes=meshes, remats=("none",),
                         periods=(), steps_ratio=ratios)
     labels = [c.strategy for c in fast["plans"]]
     assert "compress" not in labels[0] and labels.index("sync allreduce=ring compress=powersgd:4") > \
         labels.index("sync allreduce=ring"), labels
     # without a measured steps ratio a codec's plan is not ranked on time alone
-    unknown = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
+    unknown = advise(Wide, loss, optax.sgd(0.1), BATCH, SLOW_LINK, 4, meshes=meshes, remats=("none",),
                            periods=())
     assert "compress" not in unknown["plans"][0].strategy
     coded = [c for c in unknown["plans"] if "compress" in c.strategy]
@@ -162,16 +163,16 @@ def test_a_codecs_collectives_are_each_priced_on_their_own_kinds_link():
 
 
 def test_the_advisor_prices_a_codec_with_its_calibrated_compute_and_the_loss_all_reduce():
-    """`_codec_seconds`: the exchange on the permute's link (int8 on a ring of 4: 6 permutes) plus the explicit step's all-reduce of its loss (6
+    """`codec_seconds`: the exchange on the permute's link (int8 on a ring of 4: 6 permutes) plus the explicit step's all-reduce of its loss (6
     all-reduce steps of 1 us over 4 replicas), and the codec's compute from the profile's calibration."""
     calibrated = {"int8": {"seconds_per_element": 5e-8, "flops_per_element": 22.0, "replicas": 4}}
     profile = _kinds_profile(codecs=calibrated)
     params = [{"shape": (64, 16), "bytes_per_device": 64 * 16 * 4}]
-    wire, compute, state = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, profile)
+    wire, compute, state = codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, profile)
     assert math.isclose(wire, 6e-3 + 6e-6, rel_tol=1e-6)
     assert math.isclose(compute, 1024 * 5e-8, rel_tol=1e-12)  # at the calibrated N: the measured time per element
     assert state == 64 * 16 * 4
-    _, by_flops, _ = advisor._codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, _kinds_profile())
+    _, by_flops, _ = codec_seconds(jaxpar.Sync("ring", compress="int8"), 4, params, _kinds_profile())
     assert by_flops == 22 * 1024 / 1e9  # not calibrated: its FLOPs at the profile's rate
 
 
@@ -185,7 +186,7 @@ def test_powersgd_on_a_model_split_replica_pays_the_resharding_its_compiled_step
 
     config = Config(model="mlp", dropout=0.0, batch_size=32).resolved()
     batch = {"image": jax.ShapeDtypeStruct((32, 8, 8, 1), np.float32), "label": jax.ShapeDtypeStruct((32,), np.int32)}
-    result = advisor.plan(models.factory(config), models.loss_for(config), optax.sgd(0.1), batch,
+    result = advise(models.factory(config), models.loss_for(config), optax.sgd(0.1), batch,
                           "flops=1e9,alpha=1e-6,bandwidth=1e12,model.alpha=1e-2", 4,
                           meshes=["data=2,fsdp=1,model=2"], remats=("none",), periods=(), codecs=("powersgd:4", "int8"))
     seconds = {c.strategy: c.seconds for c in result["plans"]}

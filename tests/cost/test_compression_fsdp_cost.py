@@ -9,14 +9,15 @@ import optax
 import pytest
 
 import jaxpar
+from jaxpar.advisor import advise
 from jaxpar.cost import codecs
-from jaxpar.cost import plan as advisor
 from jaxpar.cost.explain import format_explain
 from jaxpar.cost.hardware import Link, parse_hardware
+from jaxpar.cost.strategy_costs import variant_shares
 from jaxpar.parallel.mesh import FSDP_AXIS
 from tests.helpers import batch_for, trainer_for
 from tests.parallel.test_compression_fsdp import fsdp_gradient_bytes
-from tests.cost.test_plan import BATCH, Wide, loss
+from tests.advisor.test_advisor import BATCH, Wide, loss
 
 SLOW_FSDP = "flops=1e12,alpha=1e-6,bandwidth=1e12,fsdp.alpha=1e-6,fsdp.bandwidth=1e5"  # 100 KB/s inside a replica
 FAST_FSDP = "flops=1e8,alpha=1e-6,bandwidth=1e12"  # free bytes, slow devices: the codec's compute shows
@@ -53,7 +54,7 @@ def test_explains_fsdp_theory_carries_the_codecs_leg_within_5_percent_of_the_hlo
 def test_no_leg_where_the_codec_does_not_compress_the_fsdp_reduction():
     # local SGD's codec is for its meetings; its steps keep the fsdp pmean
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.LocalSGD(period=2, compress="int8"))
-    for variant in trainer.strategy.variant_shares():
+    for variant in variant_shares(trainer.strategy):
         assert codecs.fsdp_leg(trainer, variant, batch_for("mlp", 16)) is None, variant
     # rows that do not split over fsdp: 2 per replica over fsdp=4 (the partitioner's reduction, uncompressed)
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.Sync("psum", compress="int8"))
@@ -74,7 +75,7 @@ def test_the_leg_is_priced_on_the_fsdp_link_and_its_kinds_own_link():
 
 def _advised(hardware) -> dict:
     ratios = {"sync compress=int8": 1.0}
-    out = advisor.plan(Wide, loss, optax.sgd(0.1), BATCH, hardware, 8, meshes=["data=2,fsdp=4,model=1"],
+    out = advise(Wide, loss, optax.sgd(0.1), BATCH, hardware, 8, meshes=["data=2,fsdp=4,model=1"],
                        remats=("none",), periods=(), codecs=("int8",), steps_ratio=ratios)
     return {c.strategy: c for c in out["plans"]}
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import jaxpar
-from jaxpar.strategies.common import Clock
+from jaxpar.strategies.clock import Clock, meeting_rounds
 from jaxpar.cost.hardware import PROFILES, Link, StepCost, collective_seconds, parse_hardware, step_cost
 from jaxpar.cost.hlo import Collective, collective_ops, loop_flops
 from jaxpar.runtime.resources import step_flops
-from jaxpar.cost.simulator import parse_stragglers, simulate
-from jaxpar.strategies.common import meeting_rounds
+from jaxpar.strategies.simulation import simulate
+from jaxpar.strategies.stragglers import parse_stragglers
 from tests.helpers import batch_for, trainer_for
 
 AXES = ("data", "stage", "fsdp", "model")

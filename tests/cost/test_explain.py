@@ -8,7 +8,7 @@ import optax
 import jaxpar
 import models
 import run
-from jaxpar.cost.explain import _expected
+from jaxpar.cost.expected_traffic import expected
 from jaxpar.cost.hlo import Collective
 from tests.helpers import TINY, batch_for
 
@@ -115,12 +115,12 @@ def test_local_sgd_explains_a_local_step_without_an_exchange_and_a_meeting_with_
 def test_unexplained_collectives_are_flagged():
     trainer = mlp_trainer("4x2", jaxpar.LocalSGD(period=2))
     big = dict(bytes=4096, group=4, axes=("data",))
-    assert not _expected(Collective("all-gather", **big), "meet", trainer)  # a resharding over data
-    assert not _expected(Collective("all-reduce", **big), "local", trainer)  # a local step must not exchange
-    assert _expected(Collective("all-reduce", **big), "meet", trainer)
-    assert _expected(Collective("all-reduce", 4, 4, ("data",)), "meet", trainer)  # a scalar metric mean
-    assert not _expected(Collective("all-reduce", 4, 4, ("data",)), "local", trainer)  # local: not even that
-    assert not _expected(Collective("all-to-all", 4096, 2, ("model",)), "meet", trainer)
+    assert not expected(Collective("all-gather", **big), "meet", trainer)  # a resharding over data
+    assert not expected(Collective("all-reduce", **big), "local", trainer)  # a local step must not exchange
+    assert expected(Collective("all-reduce", **big), "meet", trainer)
+    assert expected(Collective("all-reduce", 4, 4, ("data",)), "meet", trainer)  # a scalar metric mean
+    assert not expected(Collective("all-reduce", 4, 4, ("data",)), "local", trainer)  # local: not even that
+    assert not expected(Collective("all-to-all", 4096, 2, ("model",)), "meet", trainer)
 
 
 def test_cli_explain_prints_the_plan_and_trains_nothing(tmp_path, capsys):

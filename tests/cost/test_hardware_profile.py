@@ -10,7 +10,7 @@ import pytest
 
 import jaxpar
 import run
-from jaxpar.cost import published
+from benchmarks import published
 from jaxpar.cost.hardware import (PROFILES, Link, Profile, StepCost, collective_seconds, load_profile, parse_hardware,
                                   save_profile, step_cost)
 from jaxpar.cost.hlo import Collective, collective_ops
@@ -215,6 +215,22 @@ def test_bad_node_items_are_refused(spec, why):
     with pytest.raises(OptionError, match="hardware=") as error:
         parse_hardware(spec)
     assert why in str(error.value)
+
+
+@pytest.mark.parametrize("spec, key, first, second", [
+    ("a100-nvlink,alpha=1e-5,alpha=2e-5", "alpha", "alpha=1e-5", "alpha=2e-5"),
+    ("flops=1e12,alpha=0,bandwidth=1e9,data.bandwidth=2e9,data.bandwidth=3e9", "data.bandwidth",
+     "data.bandwidth=2e9", "data.bandwidth=3e9"),
+    ("a100-nvlink,overlap=1,overlap=0", "overlap", "overlap=1", "overlap=0"),
+])
+def test_a_key_given_twice_is_refused_in_one_line(spec, key, first, second):
+    """Which of the two was meant cannot be known; a key given once for every axis and once for one axis is not a
+    repeat (`alpha=` then `data.alpha=` overrides data's)."""
+    with pytest.raises(OptionError) as error:
+        parse_hardware(spec)
+    assert error.value.as_flag() == (f"--hardware {spec!r}: key {key!r} given twice ({first!r} and {second!r}); "
+                                     f"give each key once")
+    assert parse_hardware("a100-nvlink,alpha=1e-5,data.alpha=2e-5").links["data"].alpha == 2e-5
 
 
 # --- published results ---------------------------------------------------------------------------------------------

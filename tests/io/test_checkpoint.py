@@ -97,6 +97,40 @@ def test_ssp_restores_exactly_and_a_checkpoint_moves_between_strategies(tmp_path
     assert leaves_equal(jax.device_get(moved.opt_state), jax.device_get(state.opt_state))
 
 
+def test_diloco_keeps_its_outer_optimizer_state_on_another_replica_count(tmp_path):
+    """The restore table (`strategy_notes`, keyed by class): DiLoCo's anchor optimizer state carries over exactly
+    while its replicas are averaged as local SGD's are."""
+    trainer, state = trained("2x4", jaxpar.DiLoCo(period=2))
+    checkpoints = Checkpointer(str(tmp_path))
+    checkpoints.save(3, state, trainer.strategy, trainer.num_replicas)
+    checkpoints.wait()
+    other = trainer_for("mlp", "4x2", optimizer=optax.adamw(1e-2), strategy=jaxpar.DiLoCo(period=2))
+    restored, _, notes = checkpoints.restore(other)
+    assert notes == ["checkpoint step 3 was written by diloco on 2 replicas; this run is diloco on 4 replicas: the 2 "
+                     "replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"]
+    assert leaves_equal(jax.device_get(restored.opt_state), jax.device_get(state.opt_state))
+    fresh = other.init(0)  # a fresh outer optimizer state (momentum 0), which a restore would hold without `kept`
+    assert not leaves_equal(jax.device_get(fresh.opt_state), jax.device_get(state.opt_state))
+
+
+def test_the_restore_table_keys_by_class_and_knows_nothing_of_a_users_strategy(tmp_path):
+    from jaxpar.io.checkpoint.strategy_notes import TABLE, UNCHANGED, notes_of
+    from tests.strategies.test_user_strategy import PerStepSync
+
+    assert notes_of(jaxpar.ASP) is TABLE[jaxpar.SSP] and notes_of(jaxpar.DiLoCo).kept == ("opt_state",)
+    assert notes_of(jaxpar.Sync) is notes_of(PerStepSync) is notes_of(None) is UNCHANGED
+    trainer, state = trained("2x4", PerStepSync())
+    checkpoints = Checkpointer(str(tmp_path))
+    checkpoints.save(3, state, trainer.strategy, trainer.num_replicas)
+    checkpoints.wait()
+    sync = trainer_for("mlp", "4x2", optimizer=optax.adamw(1e-2))
+    moved, _, notes = checkpoints.restore(sync)
+    assert notes == ["checkpoint step 3 was written by per_step_sync on 2 replicas; this run is sync on 4 replicas: "
+                     "its parameters and optimizer state carry over unchanged; strategy state of the new strategy "
+                     "starts fresh"]
+    assert leaves_equal(sync.params(moved), trainer.params(state))
+
+
 def test_a_checkpoint_of_another_model_lists_the_mismatched_shapes(sync_checkpoint):
     checkpoints = sync_checkpoint[0]
     wider = jaxpar.Trainer(**{**trainer_kwargs(hidden=64)})

@@ -31,7 +31,7 @@ def per_replica(fn):
 
 
 def exchange(algorithm="psum"):
-    return cz._Exchange(REPLICA_AXIS, algorithm, None)
+    return cz.Exchange(REPLICA_AXIS, algorithm, None)
 
 
 @pytest.mark.parametrize("algorithm", ["psum", "ring"])

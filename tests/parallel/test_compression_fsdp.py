@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxpar
 from benchmarks import fsdp_hook
 from jaxpar.cost.hlo import bytes_sent, collective_ops
+from jaxpar.cost.strategy_costs import variant_shares
 from jaxpar.parallel import compression as cz
 from jaxpar.parallel import fsdp_reduce
 from jaxpar.parallel.collectives import communicator
@@ -237,6 +238,6 @@ def test_local_sgd_with_a_codec_leaves_its_steps_fsdp_leg_uncompressed():
     """LocalSGD's codec is for its meetings: no step of it sends a codec's all-to-all over fsdp."""
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=jaxpar.LocalSGD(period=2, compress="int8"))
     trainer.init(0)
-    for variant in trainer.strategy.variant_shares():
+    for variant in variant_shares(trainer.strategy):
         ops = collective_ops(trainer.compiled_step(variant, batch_for("mlp", 16)), trainer.mesh)
         assert not [op for op in ops if op.kind == "all-to-all" and op.axes == (FSDP_AXIS,)], variant

@@ -18,7 +18,8 @@ import run
 from jaxpar.cli.batching import static_batch_sizes
 from jaxpar.cli.config import Config
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.parallel.mesh import crossing_axes, device_grid, format_shape, parse_mesh_spec
+from jaxpar.parallel.device_grid import device_grid
+from jaxpar.parallel.mesh import crossing_axes, format_shape, parse_mesh_spec
 from jaxpar.parallel.partitioning import DEFAULT_RULES, spec_for
 from tests.helpers import child_env
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from jaxpar.parallel.plan_notes import PlanNotes
+from jaxpar.parallel.sharding_notes import ShardingNotes
 from jaxpar.parallel import partitioning as shd
 
 
@@ -146,7 +146,7 @@ def test_unannotated_linen_model_is_split_over_fsdp_and_trains_like_one_device(n
 
 def test_only_the_fsdp_axis_and_only_a_dimension_that_divides():
     mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
-    notes = PlanNotes()
+    notes = ShardingNotes()
     assert shd.fsdp_anywhere((3, 8, 4), mesh, "w", notes) == P(None, "fsdp", None)  # the largest that divides
     assert shd.fsdp_anywhere((4, 4), mesh, "v", notes) == P("fsdp", None)  # a tie: the first
     assert shd.fsdp_anywhere((5,), mesh, "b", notes) == P()

@@ -18,7 +18,7 @@ from tests.helpers import ROOT, child_env
 
 PACKAGES = ("jaxpar", "models", "configs")
 CORE = ("jaxpar.train", "jaxpar.strategies", "jaxpar.parallel", "jaxpar.pipeline")
-CONSUMERS = ("jaxpar.cost", "jaxpar.cli")
+CONSUMERS = ("jaxpar.cost", "jaxpar.cli", "jaxpar.advisor", "jaxpar.calibration")
 MAX_LINES, MAX_LONG, HARD_LIMIT = 300, 4, 450
 MEASUREMENT_PAGES = ("measurements.md",)  # the one page that holds measured tables and their history
 MAX_PAGE_LINES = 400

@@ -17,7 +17,8 @@ import jaxpar
 import run
 from jaxpar.runtime import launch
 from jaxpar.io.checkpoint import Checkpointer
-from jaxpar.parallel.mesh import MeshError, crossing_axes, device_grid, parse_mesh_spec
+from jaxpar.parallel.device_grid import device_grid
+from jaxpar.parallel.mesh import MeshError, crossing_axes, parse_mesh_spec
 from tests.helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

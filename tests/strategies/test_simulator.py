@@ -8,16 +8,18 @@ import pytest
 import jaxpar
 from tests.helpers import clock_times
 from jaxpar.errors import ConfigError, cli_message
-from jaxpar.cost import simulator
-from jaxpar.cost.simulator import Stragglers, compute_times, parse_stragglers, simulate_ps
+from jaxpar.strategies import simulation, stragglers as stragglers_lib
+from jaxpar.strategies.simulation import simulate_ps
+from jaxpar.strategies.stragglers import Stragglers, compute_times, parse_stragglers
 
 
 def times(updates):
     return [u.sim_time for u in updates]
 
 
-def test_docstring_example_runs():
-    assert doctest.testmod(simulator).failed == 0
+@pytest.mark.parametrize("module", [simulation, stragglers_lib], ids=lambda m: m.__name__)
+def test_docstring_example_runs(module):
+    assert doctest.testmod(module).failed == 0
 
 
 # --- parsing ---------------------------------------------------------------------------------------------------------
@@ -242,13 +244,13 @@ def test_a_clock_without_stragglers_counts_steps_as_the_simulator_does(name, rep
     the simulator's own answer; a straggler still goes through the simulator."""
     for stragglers in (None, "0:2.0"):
         clock = CLOCKED[name](stragglers=stragglers).clock
-        stream = simulator.simulate(clock.stragglers, replicas, clock.bound, clock.rounds)
+        stream = simulation.simulate(clock.stragglers, replicas, clock.bound, clock.rounds)
         expected = [next(stream).sim_time for _ in range(40)]
         assert [clock.time_after(replicas, n) for n in range(40)] == expected
         if stragglers is None:
             assert expected == [float(n + 1) for n in range(40)]
             fresh = CLOCKED[name]().clock  # the shortcut runs no simulation (the host's cost per trainer.step)
-            monkeypatch.setattr("jaxpar.strategies.common.simulate", lambda *a, **k: pytest.fail("simulated"))
+            monkeypatch.setattr("jaxpar.strategies.clock.simulate", lambda *a, **k: pytest.fail("simulated"))
             assert [fresh.time_after(replicas, n) for n in range(40)] == expected
             monkeypatch.undo()
         else:  # replica 0 at half speed: the clock runs slower than the step count

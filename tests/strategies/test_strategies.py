@@ -11,7 +11,8 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.cost.hlo import collective_ops, collective_stats
-from jaxpar.cost.simulator import parse_stragglers, simulate_ps
+from jaxpar.strategies.simulation import simulate_ps
+from jaxpar.strategies.stragglers import parse_stragglers
 from tests.helpers import batch_for, trainer_for
 
 ATOL = 2e-5

@@ -14,13 +14,13 @@ import numpy as np
 
 from jaxpar.errors import CheckpointError
 from jaxpar.io.checkpoint.naming import describe, flatten, shapes, strategy_name, stored, wrap
+from jaxpar.io.checkpoint.strategy_notes import notes_of
 from jaxpar.parallel import partitioning
 
 NESTED_FIELDS = ("strategy_state",)  # TrainState fields that hold a dict of named parts (strategies/base.py)
 # TrainState fields whose saved leaves this trainer lacks are dropped, not refused (as before the reshape: e.g. a
 # learning-rate schedule's count saved by run.py's optimizer, restored with a constant-rate one)
 DROPPED_IF_EXTRA = ("opt_state",)
-UNCHANGED_NOTE = "its parameters and optimizer state carry over unchanged"  # a checkpoint of no known strategy
 STACKED_NOTE = ("its per-layer arrays ({old}, ...) were stacked into the layout of this model's stacked blocks "
                 "({new}, ...)")  # an unstacked model's checkpoint (see stack_layers)
 
@@ -86,10 +86,11 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
                                                      f"and config that wrote it, or use another folder")
     leaves = [jax.device_put(wrap(values[n], flat[n], saved.get(n, {})), flat[n].sharding) for n in names]
     state = trainer.expand(jax.tree_util.tree_unflatten(treedef, leaves))
+    restore_notes = notes_of(written_by)
     if same_strategy:  # e.g. DiLoCo's outer optimizer state: independent of the replica count, carried over
-        for field in written_by.kept_on_restore if written_by is not None else ():
+        for field in restore_notes.kept:
             state = _carry(state, field, raw, saved)
-    how = written_by.REDUCE_NOTE.format(replicas=meta.get("replicas")) if written_by is not None else UNCHANGED_NOTE
+    how = restore_notes.note.format(replicas=meta.get("replicas"))
     before = f"{meta.get('strategy')} on {meta.get('replicas')} replicas"
     now = f"{strategy_name(trainer.strategy)} on {trainer.num_replicas} replicas"
     fresh = "" if same_strategy else "; strategy state of the new strategy starts fresh"

@@ -1,0 +1,52 @@
+"""The exchange: the collectives a codec may use over the replica axis, bound to an axis and an algorithm."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+from jaxpar.parallel import mesh as mesh_lib
+from jaxpar.parallel import partitioning as shd
+from jaxpar.parallel.collectives.allreduce import allgather, allreduce_sum
+
+
+class Exchange:
+    """The collectives a codec may use, bound to an axis and an algorithm. `shardings` (a whole-array codec's
+    leaves' NamedShardings, in leaf order; None for codecs that run per shard or on a replica of one device) lets
+    `mean` send each device's own part of what it averages."""
+
+    def __init__(self, axis_name, algorithm, torus_x, shardings=None):
+        self.axis_name, self.algorithm, self.torus_x = axis_name, algorithm, torus_x
+        self.shardings = shardings
+
+    def sum(self, leaves):
+        return allreduce_sum(leaves, self.axis_name, self.algorithm, torus_x=self.torus_x)
+
+    def mean(self, leaves, specs=None):
+        """The mean over replicas; with `specs` (each value's within-replica PartitionSpec, `layout`), inside a
+        shard_map manual over the within-replica axes, so each device sends only its part: without it a hand-written
+        algorithm fuses whole (gathered) arrays and the compiler lays the native one out as it likes."""
+        if specs is None:
+            return self._mean(leaves)
+        # no `mesh=`: inside the replica-manual shard_map the context mesh is the one to use
+        return jax.shard_map(self._mean, in_specs=(specs,), out_specs=specs,
+                             axis_names=set(mesh_lib.WITHIN_REPLICA_AXES), check_vma=False)(leaves)
+
+    def _mean(self, leaves):
+        n = lax.axis_size(self.axis_name)
+        return [(x / n).astype(x.dtype) for x in self.sum(leaves)]
+
+    def layout(self, parts):
+        """The within-replica specs of the values named by `parts`, (leaf index, 0: its P factor / 1: its Q
+        factor / None: the leaf itself), or None when the leaves' layout is not known."""
+        if self.shardings is None:
+            return None
+        out = []
+        for i, factor in parts:
+            sharding, ndim = self.shardings[i]
+            out.append(shd.within_replica_specs(sharding) if factor is None else
+                       shd.factor_specs(sharding, ndim)[factor])
+        return out
+
+    def gather(self, tree):
+        return allgather(tree, self.axis_name, self.algorithm, torus_x=self.torus_x)

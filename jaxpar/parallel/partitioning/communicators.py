@@ -1,0 +1,57 @@
+"""Communicator layouts: a compressed communicator's state (its per-replica part stacked over the replicas, the
+rest replicated) and PowerSGD's factors cut inside a replica like the matrix they approximate."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpar.parallel.partitioning.replicas import stacked, within_replica_specs, within_replica_splits
+from jaxpar.parallel.partitioning.specs import PER_REPLICA, replicated, replicated_specs
+
+COMM_OWN = "own"  # a compressed communicator's per-replica part (jaxpar.parallel.compression.OWN)
+
+
+def _split_comm(state):
+    """(the per-replica part, if `state` is a compressed communicator's with a non-empty one, else None)."""
+    if isinstance(state, dict) and COMM_OWN in state and jax.tree.leaves(state[COMM_OWN]):
+        return state[COMM_OWN]
+    return None
+
+
+def communicator_shardings(abstract_state, param_shardings, mesh: Mesh):
+    """A communicator's state: its per-replica part (params-shaped, e.g. error-feedback residuals) stacked over the
+    replicas like per-replica parameters; everything else replicated."""
+    out = jax.tree.map(lambda _: replicated(mesh), abstract_state)
+    if _split_comm(abstract_state) is not None:
+        out[COMM_OWN] = stacked(param_shardings)
+    return out
+
+
+def communicator_specs(state, param_shardings=None):
+    """Specs of a communicator's state in a replica-manual shard_map (the per-replica part: `PER_REPLICA`), or,
+    with `param_shardings`, in the nested shard_map manual over the within-replica axes (the per-replica part:
+    its leading dimension whole, the rest like the parameters' shards)."""
+    out = replicated_specs(state)
+    if _split_comm(state) is not None:
+        out[COMM_OWN] = (jax.tree.map(lambda _: PER_REPLICA, state[COMM_OWN]) if param_shardings is None else
+                         jax.tree.map(lambda s: P(None, *s), within_replica_specs(param_shardings),
+                                      is_leaf=lambda x: isinstance(x, P)))
+    return out
+
+
+def factor_splits(splits) -> tuple[int, int]:
+    """(P's row pieces, Q's row pieces) of PowerSGD's factors of a parameter viewed as the matrix (shape[0], the
+    rest), cut inside a replica like the matrix (`splits`: `within_replica_splits`): P like dimension 0; Q like
+    dimension 1 when no later dimension is cut (then each device's columns are one block), else whole."""
+    return splits[0], (splits[1] if len(splits) >= 2 and math.prod(splits[2:]) == 1 else 1)
+
+
+def factor_specs(sharding, ndim: int) -> tuple[P, P]:
+    """The within-replica specs of PowerSGD's P (n x R) and Q (m x R) for a parameter laid out by `sharding`, as
+    `factor_splits` cuts them: each device exchanges only its rows of each factor."""
+    spec = tuple(within_replica_specs(sharding)) + (None,) * ndim
+    rows, cols = factor_splits(within_replica_splits(sharding, ndim))
+    return P(spec[0] if rows > 1 else None, None), P(spec[1] if cols > 1 else None, None)
