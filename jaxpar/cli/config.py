@@ -154,7 +154,8 @@ class Config:
                                      "and 4th updates); viewable in TensorBoard's profile plugin or ui.perfetto.dev; "
                                      "each step marked jaxpar_step", check=parses(parse_profile))
     profile_dir: str | None = _run(None, "the folder --profile writes its trace into",
-                                   check=paths.trace_folder("profile/"), default_text="the --tensorboard folder; else profile/ next to --metrics; else "
+                                   check=paths.trace_folder("profile/"),
+                                   default_text="the --tensorboard folder; else profile/ next to --metrics; else "
                                                 "./profile")
     remat: str = _run(REMATS[0], f"rematerialization (recompute activations in the backward): {' | '.join(REMATS)}",
                       check=one_of(REMATS, noun="remat policy"))
