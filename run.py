@@ -1,4 +1,4 @@
-"""Command line: flags -> jaxpar.Config -> jaxpar.cli.training.train(config).   python run.py --mesh 2x4 --help"""
+"""Command line: flags -> jaxpar.cli.Config -> jaxpar.cli.training.train(config).   python run.py --mesh 2x4 --help"""
 
 import argparse
 import logging
@@ -8,6 +8,7 @@ import sys
 import threading
 
 import jaxpar
+from jaxpar.cli import Config
 from jaxpar.cli.files import load_config_file
 from jaxpar.errors import Preempted, Terminated, cli_message
 from jaxpar.runtime.resources import DeviceError
@@ -25,17 +26,17 @@ class Parser(argparse.ArgumentParser):
 def parser() -> Parser:
     out = Parser(prog="run.py",
                  description="Train a Flax NNX model with data, FSDP and model parallelism on a JAX device mesh.")
-    out.add_argument("--config", help="Python file defining get_config() -> jaxpar.Config, e.g. configs/mlp.py; "
+    out.add_argument("--config", help="Python file defining get_config() -> jaxpar.cli.Config, e.g. configs/mlp.py; "
                                       "the flags below override its fields")
     add_flags(out)
     return out
 
 
-def parse(argv) -> jaxpar.Config:
+def parse(argv) -> Config:
     """The config the command line asks for: the --config file's (or the default) with the flags' overrides,
     validated and with every default that applies filled in."""
     args = parser().parse_args(argv)
-    config = load_config_file(args.config) if args.config else jaxpar.Config()
+    config = load_config_file(args.config) if args.config else Config()
     config = config.replace(**overrides(args))
     if args.config and isinstance(config.metrics, str) and config.metrics and same_file(config.metrics, args.config):
         raise jaxpar.ConfigError(f"--metrics {config.metrics!r}: is the --config file (it would be overwritten); "

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jaxpar
+from jaxpar.cli import Config
 
 TEXT_BYTES = 1 << 20  # the first MiB of the default corpus: enough batches for every benchmark
 
@@ -19,7 +20,7 @@ TEXT_BYTES = 1 << 20  # the first MiB of the default corpus: enough batches for 
 class Setup:
     """A resolved config, its model constructor (`rngs -> nnx.Module`), its loss and one real global batch."""
 
-    config: jaxpar.Config
+    config: Config
     factory: Callable
     loss_fn: Callable
     batch: dict
@@ -35,11 +36,11 @@ def batches(config, seed: int = 0):
 
 
 def setup(model: str = "transformer", **fields) -> Setup:
-    """`model` from `models/`, configured by `jaxpar.Config(model=model, **fields)` (None values left out: the
+    """`model` from `models/`, configured by `jaxpar.cli.Config(model=model, **fields)` (None values left out: the
     config's defaults), with its loss and the first batch of seed 0."""
     import models
 
-    config = jaxpar.Config(model=model, **{k: v for k, v in fields.items() if v is not None}).resolved()
+    config = Config(model=model, **{k: v for k, v in fields.items() if v is not None}).resolved()
     return Setup(config, models.factory(config), models.loss_for(config), next(batches(config)))
 
 

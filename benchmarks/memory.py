@@ -3,7 +3,7 @@
     python -m benchmarks.memory                                   # default transformer and the digits MLP, 5 meshes
     python -m benchmarks.memory --models transformer --meshes "fsdp=8;2x4"
 
-For each model (the default transformer, `jaxpar.Config().resolved()`: 2 blocks, d_model 128, 4 heads, d_ff 512,
+For each model (the default transformer, `jaxpar.cli.Config().resolved()`: 2 blocks, d_model 128, 4 heads, d_ff 512,
 seq_len 128, batch 32; and the digits MLP, hidden 128, batch 32; both with adamw) and each mesh of `--meshes`
 (default 8, 1x8, fsdp=8, 2x4, data=2,fsdp=2,model=2), a `jaxpar.Trainer` is built and `jaxpar.explain` compiles its
 sync step ahead of time on a real batch from `jaxpar.io.data`; nothing is allocated and nothing trains. Reported:

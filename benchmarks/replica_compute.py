@@ -5,7 +5,7 @@ against Sync()'s, with the replica's rows split over fsdp (now) and replicated o
     python -m benchmarks.replica_compute --mesh data=2,fsdp=2,model=2 --batch 32
 
 Nothing runs: every step variant is compiled ahead of time (`Trainer.compiled_step`) on a real batch of the default
-transformer (`jaxpar.Config().resolved()`, adamw). Per variant: FLOPs of one step on one device (XLA's cost
+transformer (`jaxpar.cli.Config().resolved()`, adamw). Per variant: FLOPs of one step on one device (XLA's cost
 analysis with every while body counted its trip count times, `jaxpar.cost.hlo.loop_flops`), the ratio to Sync()'s,
 the compiled step's temporaries per device (`memory_analysis().temp_size_in_bytes`) and the bytes one device sends
 in collectives (`jaxpar.cost.hlo.bytes_sent`, ring algorithms). "before" rebuilds each explicit strategy with the

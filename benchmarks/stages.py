@@ -27,6 +27,7 @@ import json
 import re
 
 import jaxpar
+from jaxpar.cli import Config
 
 MESHES = ("stage=2", "stage=4", "data=2,stage=2,model=2", "data=2,stage=2,fsdp=2")
 
@@ -200,7 +201,7 @@ def remat() -> None:
     from jaxpar.pipeline import Pipeline
     from jaxpar.runtime.resources import step_flops
 
-    config = jaxpar.Config(model="transformer", layers=4, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=256,
+    config = Config(model="transformer", layers=4, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=256,
                            dropout=0.0)
     batch = {"tokens": np.zeros((16, 65), np.int32)}
     print("\n| schedule | remat | temporaries (bytes) | against none | FLOPs per step | against none |\n"

@@ -1,1 +1,2 @@
-"""Presets: each module defines `get_config() -> jaxpar.Config`; use with `python run.py --config configs/NAME.py`."""
+"""Presets: each module defines `get_config() -> jaxpar.cli.Config`; use with
+`python run.py --config configs/NAME.py`."""

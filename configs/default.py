@@ -1,7 +1,7 @@
 """The default run: a 2-layer byte-level transformer LM on the standard library's Python source, 2x4 mesh."""
 
-import jaxpar
+from jaxpar.cli import Config
 
 
-def get_config() -> jaxpar.Config:
-    return jaxpar.Config()
+def get_config() -> Config:
+    return Config()

@@ -3,12 +3,12 @@
 The public API is what this module exports. The packages show the parts: `parallel` (mesh, partitioning,
 collectives), `strategies` (how replicas agree, and their simulated clock), `train` (state, step, Trainer, loop,
 actions), `cost` (HLO, hardware profiles, explain), `io` (data, checkpoints, metrics, reports), `runtime`
-(processes and devices) and `cli` (what `run.py` runs).
+(processes and devices) and `cli` (what `run.py` runs: `jaxpar.cli.Config`). `import jaxpar` loads the library
+only, never `cli`, `models` or `configs`; `jaxpar.Config` is `jaxpar.cli.Config`, imported when first used.
 """
 
 import sys
 
-from jaxpar.cli.config import Config
 from jaxpar.cost.explain import explain, format_explain
 from jaxpar.advisor import advise as plan
 from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
@@ -41,9 +41,13 @@ __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "
            "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline", "plan", "use_compile_cache"]
 
 
-def __getattr__(name):  # `jaxpar.Checkpointer` imports orbax only when first used
+def __getattr__(name):  # imported when first used: `jaxpar.Checkpointer` (orbax), `jaxpar.Config` (the CLI's)
     if name == "Checkpointer":
         from jaxpar.io.checkpoint import Checkpointer
 
         return Checkpointer
+    if name == "Config":
+        from jaxpar.cli.config import Config
+
+        return Config
     raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")

@@ -19,7 +19,7 @@ def factory(config, bn_groups: int = 1):
     """A constructor `rngs -> nnx.Module` for `config.model`, sized by the config.
 
     bn_groups: how many groups BatchNorm splits the global batch into for its statistics (1 = synchronised).
-    Sizes the config leaves unset (None) take the model's declared defaults (`jaxpar.Config.resolved`).
+    Sizes the config leaves unset (None) take the model's declared defaults (`jaxpar.cli.Config.resolved`).
     """
     config = _resolved(config)
     dtype = jnp.bfloat16 if getattr(config, "dtype", "float32") == "bfloat16" else None

@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxpar.errors import DataError
+
 LABEL_KEYS = ("label", "tokens")  # the keys of the built-in batches that hold class indices
 
 
 def check_labels(batch, num_classes: int, keys=LABEL_KEYS) -> None:
     """Raises `jaxpar.DataError` unless every `batch[key]` (for the `keys` present) holds integers in
     [0, num_classes). Host-side: reads the arrays (a jax array is copied to the host)."""
-    from jaxpar.errors import DataError  # (imported late: `import jaxpar` itself imports this package)
-
     for key in keys:
         if key not in batch:
             continue

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import ConfigError
+from jaxpar.pipeline import Stack
 from models.layers import dense, layer_norm, rms_norm
 
 LLAMA, GPT = "llama", "gpt"
@@ -131,9 +133,6 @@ BLOCK_CLASSES = {LLAMA: LlamaBlock, GPT: Block}
 class Transformer(nnx.Module):
     def __init__(self, vocab: int = 256, seq_len: int = 128, layers: int = 2, d_model: int = 128, heads: int = 4,
                  d_ff: int = 512, dropout: float = 0.1, dtype=None, block: str = LLAMA, *, rngs: nnx.Rngs):
-        from jaxpar.errors import ConfigError  # (imported late: `import jaxpar` itself imports this package)
-        from jaxpar.pipeline import Stack
-
         if block not in BLOCK_CLASSES:
             raise ConfigError(f"Transformer(block={block!r}): choose one of {', '.join(BLOCKS)}")
         if d_model % heads:

@@ -8,7 +8,7 @@ import optax
 
 import jaxpar
 import models
-from jaxpar import Config
+from jaxpar.cli import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 

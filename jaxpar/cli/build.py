@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 import optax
 
 import models
-from jaxpar import strategies
+from jaxpar.cli import strategies
 from jaxpar.cli.batching import batch_sizes, static_batch_sizes
 from jaxpar.cli.config import Config
+from jaxpar.cli.options import declared, shown
 from jaxpar.cli.pipelining import check_stages, pipeline_of
 from jaxpar.strategies import BN_LOCAL
 from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError
@@ -65,13 +66,11 @@ _NOT_DIVISIBLE = re.compile(r"^parameter \S+ of shape \([^)]*\): dimension \d+ \
 def as_flag_error(error: ShardingError, config: Config) -> JaxparError:
     """A built-in model's dimension that does not divide, said in flags (`--hidden`, not the logical `mlp`)."""
     found = _NOT_DIVISIBLE.match(str(error))
-    field = found and models.spec(config.model).dimensions.get(found["name"])
-    if not field:
+    option = found and models.spec(config.model).dimensions.get(found["name"])
+    if not option:
         return error
-    from jaxpar.cli.options import FILE_ONLY, shown
-
     size, axis, ways = found["size"], found["axis"], int(found["ways"])
-    name = shown(field) + (" (config file)" if field in FILE_ONLY else "")
+    name = shown(config, option) + ("" if declared(config)[option].flag else " (config file)")
     fits = [d for d in range(1, ways + 1) if int(size) % d == 0 and ways % d == 0][-1]
     return ConfigError(f"{name} {size} does not divide by the {axis} axis of size {ways} (--mesh {config.mesh}); "
                        f"use a multiple of {ways} for {name}, or a {axis} axis that divides {size} (e.g. {fits})")

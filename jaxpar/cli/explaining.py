@@ -18,8 +18,8 @@ def explain_run(config: Config, built: Built) -> dict:
     trainer = built.trainer
     rows = next(iter(built.train_batches))  # this process's rows: the step is compiled for the global batch's shape
     batch = {k: jax.ShapeDtypeStruct((trainer.global_rows(len(v)),) + v.shape[1:], v.dtype) for k, v in rows.items()}
-    blocks_field = models.spec(config.model).blocks
-    report = explain(trainer, batch, blocks=getattr(config, blocks_field) if blocks_field else None, fit=True)
+    blocks = models.spec(config.model).blocks  # the option counting the stacked blocks
+    report = explain(trainer, batch, blocks=getattr(config, blocks) if blocks else None, fit=True)
     if distributed.is_main():
         print(format_explain(report), flush=True)
     return {"explain": report}

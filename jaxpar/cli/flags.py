@@ -1,8 +1,9 @@
-"""The command-line flags of run.py, generated from `jaxpar.Config`'s field declarations (never written by hand).
+"""The command-line flags of run.py, generated from the option declarations of `jaxpar.cli.Config` (never written by
+hand).
 
-Every field whose `option(...)` says `flag=True` becomes `--field-name` (underscores -> dashes) with the field's
-type, help text and default; the flags are listed in --help by group. Flags default to None (= "not given"), so a
-flag overrides the config file's field only when it is passed.
+Every option declared with `flag=True` (the default) becomes `--option-name` (underscores -> dashes) with the
+option's type, help text and default; the flags are listed in --help by group. Flags default to None (= "not
+given"), so a flag overrides the config file's option only when it is passed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool}  # a bool flag t
 
 class Flag(NamedTuple):
     flag: str  # "--batch-size"
-    field: str  # "batch_size"
+    option: str  # "batch_size"
     type: type  # int | float | str
     help: str  # the declared help, with what it applies to and its default
     group: str
@@ -30,14 +31,14 @@ class Flag(NamedTuple):
 def _type_of(f: dataclasses.Field) -> type:
     name = str(f.type).split("|")[0].strip()
     if name not in _TYPES:
-        raise TypeError(f"Config.{f.name}: a flag needs an int, float, str or bool field, not {f.type}; "
-                        f"declare it with option(..., flag=False)")
+        raise TypeError(f"Config.{f.name}: a flag needs an int, float, str or bool option, not {f.type}; "
+                        f"declare it with flag=False")
     return _TYPES[name]
 
 
 FLAGS: list[Flag] = [Flag("--" + f.name.replace("_", "-"), f.name, _type_of(f), describe(f.name),
-                          OPTIONS[f.name]["group"], OPTIONS[f.name]["const"])
-                     for f in dataclasses.fields(Config) if OPTIONS[f.name]["flag"]]
+                          OPTIONS[f.name].group, OPTIONS[f.name].const)
+                     for f in dataclasses.fields(Config) if OPTIONS[f.name].flag]
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,14 +49,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             section = parser.add_argument_group(group)
             for f in flags:
                 if f.type is bool:
-                    section.add_argument(f.flag, dest=f.field, action="store_const", const=True, default=None,
+                    section.add_argument(f.flag, dest=f.option, action="store_const", const=True, default=None,
                                          help=f.help.replace("%", "%%"))
                     continue
                 optional_value = {} if f.const is None else {"nargs": "?", "const": f.const}
-                section.add_argument(f.flag, dest=f.field, type=f.type, default=None,
+                section.add_argument(f.flag, dest=f.option, type=f.type, default=None,
                                      help=f.help.replace("%", "%%"), **optional_value)
 
 
 def overrides(args: argparse.Namespace) -> dict:
-    """The Config fields the parsed flags set (flags not passed set nothing)."""
-    return {f.field: getattr(args, f.field) for f in FLAGS if getattr(args, f.field, None) is not None}
+    """The options the parsed flags set (flags not passed set nothing)."""
+    return {f.option: getattr(args, f.option) for f in FLAGS if getattr(args, f.option, None) is not None}

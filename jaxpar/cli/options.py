@@ -1,74 +1,64 @@
-"""The option framework: how a `Config` field is declared, and what applies to which model and strategy.
+"""How an option of `Config` is declared, and how it is read back.
 
-A field is declared in `config.py` on one line, `name: type = section(default, "help")`; the rest of what is known
-about an option sits in small tables keyed by field name: here (which models and strategies it applies to, read
-from `models.REGISTRY` and `jaxpar.strategies.REGISTRY`; config-file-only fields; how --help states a default that is
-not a plain value), in `values.CHECKS` (its own value check) and `validation` (checks across fields).
+An option is declared once, on its line in `config.py`: `name: type = group(default, "help", check=...)`, where
+`group = section("optimizer")` gives the declarer of one group's options. The declaration holds the option's
+default, help, value checks, whether it is a flag, and how --help states a default that is not a plain value; which
+models and strategies it applies to comes from `models.REGISTRY` and `jaxpar.cli.strategies` (`defaults`).
+`declared(config)` reads every declaration back, `shown(config, name)` is how a message names an option.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
-
-import models
-from jaxpar import strategies as strategies_lib
+import functools
+from typing import Any, Callable, NamedTuple
 
 GROUPS = ("mesh", "pipeline", "architecture", "dataset", "optimizer", "strategy", "large batch", "run",
           "checkpoints and faults", "processes")
-PRIMARY = ("model", "strategy")  # fields the others' applicability depends on  [field names, not mesh axes]
-MODELS = models.MODELS
-STRATEGIES = tuple(strategies_lib.REGISTRY)
 
-# field -> {model: its default there}, for the fields that apply to some models only (None: derived, see `defaults`)
-MODEL_OF: dict[str, dict[str, Any]] = {}
-for _model, _spec in models.REGISTRY.items():
-    for _name, _default in _spec.defaults.items():
-        MODEL_OF.setdefault(_name, {})[_model] = _default
+Check = Callable[[str, Any], "str | None"]  # (the option as shown, a given value) -> the one-line error, or None
 
-# field -> the strategies it applies to (a field given for another strategy is an error), read from the strategies
-APPLIES_TO: dict[str, tuple[str, ...]] = {
-    name: tuple(s for s, cls in strategies_lib.REGISTRY.items()
-                if name in strategies_lib.COMMON_OPTIONS or name in cls.OPTIONS)
-    for name in dict.fromkeys([*strategies_lib.COMMON_OPTIONS,
-                               *(f for cls in strategies_lib.REGISTRY.values() for f in cls.OPTIONS)])}
 
-FILE_ONLY = ("rules", "channels")  # config-file fields that are no flag
-CONST = {"resume": "auto"}  # the value of a flag given without one (`--resume` = `--resume auto`)
-_DIGITS_MODELS = [m for m, s in models.REGISTRY.items() if s.dataset == models.registry.DIGITS]
-DEFAULT_TEXT = {  # how --help states a default that is not a plain value
-    "bn": "sync, or local under a strategy whose replicas compute on their own slice",
-    "data": "the Python standard library's .py files",
-    "lr_decay_steps": "50% and 75% of --steps",
-    "torus": "the divisor of the data-axis size nearest its square root",
-    "stragglers": "none given: every replica is equally fast",
-    "hardware": "none: every step costs 1, communication is free",
-    "base_batch_size": "the first global batch size",
-    "resume": "off",
-    "profile_dir": "the --tensorboard folder; else profile/ next to --metrics; else ./profile",
-    "coordinator": "one process, or from the environment (jaxpar.launch, SLURM)",
-}
-WHY = {  # a hint added to the "does not apply to --model" error
-    "bn": "only the " + " / ".join(m for m, s in models.REGISTRY.items() if "bn" in s.defaults) + " has BatchNorm",
-    "data": f"{' and '.join(_DIGITS_MODELS)} train on the built-in digits dataset",
-}
+class Option(NamedTuple):
+    """What an option's declaration says besides its name, type and default."""
+
+    help: str  # --help text (what it applies to and its default are added: `jaxpar.cli.help`)
+    group: str  # one of GROUPS
+    checks: tuple[Check, ...] = ()  # each given value's own checks (`jaxpar.cli.values`)
+    flag: bool = True  # False: set in a config file only (no flag: the value is no int, float, str or bool)
+    const: Any = None  # the value of the flag given alone (`--resume` = `--resume auto`); None: it takes a value
+    default_text: str | None = None  # how --help states a default that is not a plain value
 
 
 def section(group: str) -> Callable[..., Any]:
-    """The declarer of one group's fields: `declare(default, help)` -> a dataclass field."""
+    """The declarer of one group's options: `declare(default, help, check=..., ...)` -> a dataclass field."""
     assert group in GROUPS, group
 
-    def declare(default, help: str):
-        return dataclasses.field(default=default, metadata={"help": help, "group": group})
+    def declare(default, help: str, *, check: Check | tuple[Check, ...] = (), flag: bool = True, const=None,
+                default_text: str | None = None):
+        checks = check if isinstance(check, tuple) else (check,)
+        option = Option(help, group, checks, flag, const, default_text)
+        return dataclasses.field(default=default, metadata={"option": option})
 
     return declare
 
 
-def shown(name: str) -> str:
-    """How errors name a field: its flag, or the bare field name for config-file-only fields."""
-    return name if name in FILE_ONLY else "--" + name.replace("_", "-")
+@functools.cache
+def _declared(cls) -> dict[str, Option]:
+    return {f.name: f.metadata["option"] for f in dataclasses.fields(cls)}
 
 
-def strategy_default(strategy: str, name: str):
-    """The default of strategy option `name` under `strategy` (what None means there)."""
-    return strategies_lib.option_default(strategy, name)
+def declared(config) -> dict[str, Option]:
+    """Every option of a config (or its class) -> its declaration, in declaration order."""
+    return _declared(config if isinstance(config, type) else type(config))
+
+
+def default_of(config, name: str):
+    """The declared default of option `name` (None: "not given"; what that means is `defaults.default`)."""
+    cls = config if isinstance(config, type) else type(config)
+    return cls.__dataclass_fields__[name].default
+
+
+def shown(config, name: str) -> str:
+    """How messages name option `name`: its flag, or the bare name of an option set in a config file only."""
+    return "--" + name.replace("_", "-") if declared(config)[name].flag else name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from jaxpar.io.data import path_kind
 
@@ -86,3 +87,31 @@ def is_metrics_file(path) -> bool:
     except ValueError:
         return False
     return isinstance(record, dict) and "versions" in record
+
+
+TRACE_SUBFOLDER = os.path.join("plugins", "profile")  # where jax.profiler writes inside the --profile-dir folder
+
+
+def trace_folder(example: str):
+    """The check of the folder --profile writes into, before anything trains: `writable_folder`'s, then the folders
+    the trace will create (`TRACE_SUBFOLDER`) are probed: what exists of them must be folders, and a temporary
+    folder is made (and removed) in the deepest that exists (a read-only file system, a folder even root may not
+    write)."""
+    def check(name, path):
+        problem = writable_folder(example)(name, path)
+        if problem:
+            return problem
+        target = os.path.join(path, TRACE_SUBFOLDER)
+        existing = target
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing) or "."
+        if not os.path.isdir(existing):
+            return (f"{name} {path!r}: {existing!r} is {path_kind(existing)}, not a folder (the trace is written into "
+                    f"{target!r}); pass another folder such as {example}")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".jaxpar-probe-", dir=existing))
+        except OSError as error:
+            return (f"{name} {path!r}: cannot create folders in {os.path.abspath(existing)!r} ({error.strerror}); "
+                    f"pass a writable folder such as {example}")
+
+    return check

@@ -20,8 +20,8 @@ def pipeline_of(config) -> Pipeline:
     return Pipeline(config.pipeline, config.microbatches, config.repeats)
 
 
-def blocks_field(config) -> str | None:
-    """The field counting the built-in model's stacked blocks (the transformer's `layers`, one
+def blocks_option(config) -> str | None:
+    """The option counting the built-in model's stacked blocks (the transformer's `layers`, one
     `jaxpar.pipeline.Stack`), or None: a model with nothing to pipeline or microbatch."""
     return models.spec(config.model).blocks
 
@@ -46,10 +46,10 @@ def spec_stages(config) -> int | None:
 
 def check_stages(config, stages: int | None) -> None:
     """The stacked layers against a stage axis of `stages` (None: not known yet) and the schedule."""
-    field = blocks_field(config)
-    if not stages or stages == 1 or field is None:  # nothing pipelined; the MLP / CNN: the partitioner's line
+    option = blocks_option(config)
+    if not stages or stages == 1 or option is None:  # nothing pipelined; the MLP / CNN: the partitioner's line
         return
-    layers, flag, repeats = getattr(config, field), shown(field), rounds(config)
+    layers, flag, repeats = getattr(config, option), shown(config, option), rounds(config)
     if layers % stages:
         fits = max(d for d in range(1, stages + 1) if layers % d == 0 and stages % d == 0)
         raise ConfigError(f"{flag} {layers} does not divide by the {mesh_lib.STAGE_AXIS} axis of size {stages} "
@@ -76,7 +76,7 @@ def indivisible_microbatches(config, size: int, replicas: int, flag: str) -> str
     over the whole batch, one replica's batch / --grad-accum under the explicit strategies (inside a replica).
     Asking M to divide each replica's share covers both, and keeps every microbatch an equal share of every
     replica's rows (nothing moves between devices), as --grad-accum does."""
-    if blocks_field(config) is None:
+    if blocks_option(config) is None:
         return None
     count, accum = config.microbatches, config.grad_accum
     rows = size // replicas // accum

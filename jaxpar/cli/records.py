@@ -7,10 +7,12 @@ import importlib.metadata
 import sys
 from collections.abc import Mapping
 
+from jaxpar.cli.defaults import resolved as resolve
+
 
 def to_record(config) -> dict:
     """The full resolved config as a JSON-serialisable dict, plus {"versions": {package: version}}."""
-    resolved = config.resolved()
+    resolved = resolve(config)
     record = {f.name: jsonable(getattr(resolved, f.name)) for f in dataclasses.fields(config)}
     record["versions"] = versions()
     return record

@@ -16,10 +16,11 @@ import models
 from jaxpar.cli.build import Built, build
 from jaxpar.cli.config import Config
 from jaxpar.cli.explaining import explain_run
-from jaxpar.cli.notes import divergence_hint, run_notes
+from jaxpar.cli.notes import built_notes, divergence_hint, planning_notes, run_notes
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.paths import profile_folder
 from jaxpar.cli.processes import join_processes
+from jaxpar.cli.strategies import notes as strategy_notes
 from jaxpar.cli.values import parse_profile
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
@@ -50,12 +51,16 @@ def train(config: Config) -> dict:
     if config.plan:  # before anything starts JAX: --devices decides how many CPU devices it creates
         from jaxpar.cli.planning import plan_run
 
+        for line in planning_notes(config):
+            log.warning(line)
         return plan_run(config)
     if join_processes(config) and not distributed.is_main():
         log.setLevel(logging.ERROR)  # process 0 reports the notes
     for line in run_notes(config):
         log.warning(line)
     built = build(config)
+    for line in built_notes(config, built.trainer):
+        log.warning(line)
     if config.explain:
         return explain_run(config, built)
     checkpoints, created = _open_checkpoints(config)
@@ -173,7 +178,7 @@ def _run(config: Config, built: Built, checkpoints, stop) -> dict:
             print(line, flush=True)
 
     say(_headline(config, trainer, state, start, size_at))
-    for line in trainer.strategy.notes():
+    for line in strategy_notes(trainer.strategy):
         say(f"jaxpar: note: {line}")
     peak = _peak_flops(trainer, say)
     with _outputs(config) as (jsonl, board):

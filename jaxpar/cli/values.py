@@ -1,5 +1,6 @@
-"""Each option's own value check: `CHECKS[field]` gets (shown name, a given value) and returns the one-line error or
-None (a parser check may raise a JaxparError itself). Integers go through `jaxpar.checks`."""
+"""The checks and parsers of option values. A check gets (the option as shown, a given value) and returns the
+one-line error or None (a parser check may raise a JaxparError itself); each option's declaration in `config.py` names
+its checks. Integers go through `jaxpar.checks`."""
 
 from __future__ import annotations
 
@@ -7,23 +8,11 @@ import math
 import re
 from typing import Any, Callable
 
-from jaxpar.errors import ShardingError
-from jaxpar.parallel.partitioning import normalize_rules
 from jaxpar.checks import int_problem, is_int
-from jaxpar.cli import paths
-from jaxpar.cli.options import APPLIES_TO, MODELS, STRATEGIES, strategy_default
-from jaxpar.strategies import BN_LOCAL, BN_SYNC
-from jaxpar.cost.hardware import parse_hardware
-from jaxpar.strategies.stragglers import parse_stragglers
-from jaxpar.errors import ConfigError
-from jaxpar.parallel.collectives import check_allreduce
-from jaxpar.parallel.compression import parse_codec
-from jaxpar.parallel.mesh import parse_mesh_spec
-from jaxpar.pipeline.config import SCHEDULES
-from jaxpar.train.remat import REMATS
-from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+from jaxpar.cli.options import Check
+from jaxpar.errors import ConfigError, ShardingError
+from jaxpar.parallel.partitioning import normalize_rules
 
-Check = Callable[[str, Any], "str | None"]
 OPTIMIZERS = ("adamw", "sgd", "momentum")
 DTYPES = ("float32", "bfloat16")
 
@@ -60,7 +49,7 @@ def not_empty(example: str) -> Check:
 
 
 def rules_check(name, rules):
-    """The partitioner's own reading of rules (`normalize_rules`) decides what is valid; said as the config field."""
+    """The partitioner's own reading of rules (`normalize_rules`) decides what is valid; said as the option."""
     try:
         normalize_rules(rules)
     except ShardingError:
@@ -73,24 +62,16 @@ def channels_check(name, value):
         return f"{name} {value!r}: must be two positive integers, e.g. (16, 32)"
 
 
-def finite_check(name, value):
-    """Float fields: finite, and (an int from a config file) representable as a float."""
+def finite_check(name, value, example=None):
+    """Float options: finite, and (an int from a config file) representable as a float; `example`: a value that
+    works (the option's default)."""
+    hint = f"e.g. {name} {example}" if example is not None else "pass a finite number"
     try:
         ok = math.isfinite(float(value))
     except OverflowError:
-        return f"{name} {_short(value)}: too large for a float; {_example(name)}"
+        return f"{name} {_short(value)}: too large for a float; {hint}"
     if not ok:
-        return f"{name} {value!r}: must be a finite number; {_example(name)}"
-
-
-def _example(name) -> str:
-    from jaxpar.cli.config import Config  # (the declarations import this module)
-
-    field_name = name.lstrip("-").replace("-", "_")
-    default = Config.__dataclass_fields__[field_name].default
-    if default is None and field_name in APPLIES_TO:
-        default = strategy_default(APPLIES_TO[field_name][0], field_name)
-    return f"e.g. {name} {default}" if default is not None else "pass a finite number"
+        return f"{name} {value!r}: must be a finite number; {hint}"
 
 
 def _short(value) -> str:
@@ -118,65 +99,4 @@ def _coordinator(value) -> bool:
     return isinstance(value, str) and value.count(":") >= 1 and value.rsplit(":", 1)[1].isdigit()
 
 
-CHECKS: dict[str, tuple[Check, ...]] = {
-    "mesh": (parses(parse_mesh_spec),),
-    "rules": (rules_check,),
-    "pipeline": (one_of(SCHEDULES, noun="pipeline schedule"),),
-    "microbatches": (at_least(1),),
-    "repeats": (at_least(1),),
-    "model": (one_of(MODELS, noun="model"),),
-    "dtype": (one_of(DTYPES),),
-    "dropout": (within(lambda v: 0 <= v < 1, "must be in [0, 1)"),),
-    "layers": (at_least(1),), "d_model": (at_least(1),), "heads": (at_least(1),), "d_ff": (at_least(1),),
-    "seq_len": (at_least(2),),
-    "vocab": (at_least(2), within(lambda v: v >= 256, "byte-level text needs a vocabulary of at least 256")),
-    "hidden": (at_least(1),),
-    "channels": (channels_check,),
-    "bn": (one_of((BN_SYNC, BN_LOCAL)),),
-    "batch_size": (at_least(1),),
-    "optimizer": (one_of(OPTIMIZERS),),
-    "lr": (within(lambda v: v > 0, "must be > 0, e.g. --lr 1e-3"),),
-    "weight_decay": (within(lambda v: v >= 0, "must be >= 0"),),
-    "lr_schedule": (one_of(LR_SCHEDULES),),
-    "warmup_steps": (at_least(0),),
-    "lr_decay_steps": (parses(parse_decay_steps),),
-    "lr_decay_factor": (within(lambda v: 0 < v <= 1, "must be in (0, 1], e.g. 0.1"),),
-    "strategy": (one_of(STRATEGIES, noun="strategy"),),
-    "allreduce": (parses(lambda value: check_allreduce(value, None)),),
-    "torus": (at_least(1),),
-    "compress": (parses(parse_codec),),
-    "sync_period": (at_least(1),),
-    "local_after": (at_least(0),),
-    "outer_lr": (within(lambda v: v > 0, "must be > 0, e.g. --outer-lr 0.7"),),
-    "outer_momentum": (within(lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.9"),),
-    "staleness": (at_least(0),),
-    "stragglers": (parses(parse_stragglers),),
-    "hardware": (not_empty("a100-nvlink"), parses(parse_hardware)),
-    "lr_scaling": (one_of(LR_SCALINGS),),
-    "base_batch_size": (at_least(1),),
-    "batch_ramp": (parses(parse_batch_ramp),),
-    "grad_accum": (at_least(1),),
-    "label_smoothing": (within(lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.1"),),
-    "steps": (at_least(1),),
-    "seed": (within(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)"),),
-    "log_every": (at_least(1),),
-    "remat": (one_of(REMATS, noun="remat policy"),),
-    "devices": (at_least(1),),
-    "metrics": (paths.metrics_check,),
-    "tensorboard": (paths.writable_folder("runs/"),),
-    "profile": (parses(parse_profile),),
-    "profile_dir": (paths.writable_folder("profile/"),),
-    "eval_every": (at_least(0),),
-    "eval_batches": (at_least(0),),
-    "checkpoint_dir": (paths.writable_folder("checkpoints/"),),
-    "checkpoint_every": (at_least(1),),
-    "keep": (at_least(1),),
-    "resume": (one_of(("auto", "required")),),
-    "resume_step": (at_least(0),),
-    "on_nonfinite": (one_of(("skip", "abort")),),
-    "max_skips": (at_least(0),),
-    "check_every": (at_least(0),),
-    "coordinator": (within(_coordinator, "must be HOST:PORT, e.g. 10.0.0.1:1234"),),
-    "num_processes": (at_least(1),),
-    "process_id": (at_least(0),),
-}
+coordinator_check = within(_coordinator, "must be HOST:PORT, e.g. 10.0.0.1:1234")

@@ -26,9 +26,6 @@ from jaxpar.train.step import LossFn, TrainState
 # BatchNorm statistics: over the global batch, or each replica's slice (`StrategyBase.local_statistics` decides
 # which a strategy's steps can give; the CLI's --bn values)
 BN_SYNC, BN_LOCAL = "sync", "local"
-# Counts that only matter up to the run's length are planned for at least this many steps, so that a resumed run
-# that raises --steps within it plans the same (the SSP version buffer, the post-local clock).
-PLAN_FLOOR = 64
 
 
 class StepContext(NamedTuple):
@@ -146,7 +143,6 @@ class StrategyBase:
     """What the built-in strategies share: `communicator` (None = the compiler's all-reduce), a codec around it
     (`compress`), and `stragglers` (the profile their clock runs on); checked against the mesh."""
 
-    OPTIONS: dict = {}
     local_statistics = True  # replicas compute on their own slice, so BatchNorm statistics are per replica
     DEFAULT_ALLREDUCE: str | None = "psum"  # the averaging when none is given (None: the compiler's, one jit step)
 
@@ -195,12 +191,3 @@ class StrategyBase:
                               f"jaxpar.Sync() (the compiler's averaging) on this mesh")
         if self.communicator is not None:
             self.communicator.check(ctx.num_replicas)
-
-    def notes(self) -> list[str]:
-        return []
-
-    @classmethod
-    def _common(cls, options: dict) -> dict:
-        """The keyword arguments every strategy takes, from config options (None: the declared default)."""
-        return {"allreduce": options.get("allreduce"), "torus_x": options.get("torus"),
-                "stragglers": options.get("stragglers")}

@@ -31,7 +31,7 @@ from jaxpar.parallel.partitioning import communicator_specs, optimizer_shardings
 from jaxpar.train.step import apply_gradients, check_optimizer, step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.checks import check_int
-from jaxpar.strategies.base import PLAN_FLOOR, Plan, StrategyBase, Variant
+from jaxpar.strategies.base import Plan, StrategyBase, Variant
 from jaxpar.strategies.clock import Clock, meeting_rounds
 
 SHARDED, BATCH, SAME = rep.SHARDED, rep.BATCH, rep.SAME
@@ -41,7 +41,6 @@ class LocalSGD(StrategyBase):
     name = "local_sgd"
     SYNC, LOCAL, MEET = "sync", "local", "meet"  # its step variants: post-local SGD's synchronous one, local, meeting
     DEFAULT_PERIOD = 4  # steps between meetings
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none"}
     local_statistics = True
 
     def __init__(self, period: int = DEFAULT_PERIOD, local_after: int = 0, *, allreduce: str | None = None,
@@ -53,11 +52,6 @@ class LocalSGD(StrategyBase):
         self._compress(compress)  # (the default allreduce is psum: always a hand-written exchange to wrap)
         self.period, self.local_after = period, local_after
         self.clock = Clock(self.stragglers, 0, meeting_rounds(period, local_after))
-
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "LocalSGD":
-        return cls(options["sync_period"], min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options), compress=options.get("compress"))
 
     # --- state -----------------------------------------------------------------------------------------------
     @classmethod
@@ -231,13 +225,7 @@ class LocalSGD(StrategyBase):
 
 class DiLoCo(LocalSGD):
     name = "diloco"
-    OPTIONS: dict = {"sync_period": 4, "local_after": 0, "compress": "none", "outer_lr": 0.7, "outer_momentum": 0.9}
-
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "DiLoCo":
-        outer = optax.sgd(options["outer_lr"], momentum=options["outer_momentum"], nesterov=True)
-        return cls(options["sync_period"], outer, local_after=min(options["local_after"], max(steps, PLAN_FLOOR)),
-                   **cls._common(options), compress=options.get("compress"))
+    DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM = 0.7, 0.9  # the default outer optimizer: Nesterov SGD with these
 
     def __init__(self, period: int = LocalSGD.DEFAULT_PERIOD,
                  outer_optimizer: optax.GradientTransformation | None = None, *,
@@ -247,8 +235,8 @@ class DiLoCo(LocalSGD):
                          compress=compress)
         if outer_optimizer is not None:
             check_optimizer("DiLoCo(outer_optimizer=...)", outer_optimizer)
-        self.outer_tx = outer_optimizer or optax.sgd(self.OPTIONS["outer_lr"],
-                                                     momentum=self.OPTIONS["outer_momentum"], nesterov=True)
+        self.outer_tx = outer_optimizer or optax.sgd(self.DEFAULT_OUTER_LR, momentum=self.DEFAULT_OUTER_MOMENTUM,
+                                                     nesterov=True)
 
     def _anchor_opt_state(self, ctx, params):
         return self.outer_tx.init(params)

@@ -28,7 +28,7 @@ from jaxpar.train.faults import guarded_update, keep_unless
 from jaxpar.train.step import step_key
 from jaxpar.strategies import replicas as rep
 from jaxpar.checks import check_int
-from jaxpar.strategies.base import PLAN_FLOOR, Plan, StrategyBase, Variant
+from jaxpar.strategies.base import Plan, StrategyBase, Variant
 from jaxpar.strategies.clock import Clock
 from jaxpar.strategies.simulation import MAX_SIMULATED_UPDATES, check_update_count
 
@@ -36,30 +36,12 @@ from jaxpar.strategies.simulation import MAX_SIMULATED_UPDATES, check_update_cou
 class SSP(StrategyBase):
     name = "ssp"
     UPDATE = "update"  # its one step variant: a server update
-    OPTIONS: dict = {"staleness": 2}
     local_statistics = True
     bounded = True  # staleness is bounded (ASP: None)
 
     @classmethod
-    def from_options(cls, options: dict, steps: int) -> "SSP":
-        """Plans max(steps, PLAN_FLOOR) updates, so the version buffer is min(S, max(steps, PLAN_FLOOR)) + 1: a
-        resumed run that raises --steps within the floor keeps the buffer its checkpoint holds."""
-        common = cls._common(options)
-        horizon = max(steps, PLAN_FLOOR)
-        if not cls.bounded:
-            return cls(horizon=horizon, **common)
-        return cls(options["staleness"], horizon=horizon, **common)
-
-    @classmethod
     def reduce(cls, state):
         return state._replace(strategy_state=())
-
-    def notes(self) -> list[str]:
-        if self.stragglers.slowdown or self.stragglers.jitter:
-            return []
-        return [f"strategy {self.name} without a straggler profile (--stragglers): every replica is equally fast, "
-                f"so every update applies every replica's fresh gradient, as sync SGD does (give a straggler "
-                f"profile to see staleness)"]
 
     def __init__(self, staleness: int = 2, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,
                  horizon: int = 10_000, max_buffer_bytes: int | None = None):
@@ -170,7 +152,6 @@ class SSP(StrategyBase):
 
 class ASP(SSP):
     name = "asp"
-    OPTIONS: dict = {}
     bounded = False
 
     def __init__(self, *, stragglers=None, allreduce: str | None = None, torus_x: int | None = None,

@@ -32,7 +32,6 @@ class Sync(StrategyBase):
     name = "sync"
     SYNC = "sync"  # its one step variant
     DEFAULT_ALLREDUCE = None  # the partitioner's: one jit step over the whole global batch
-    OPTIONS: dict = {"compress": "none"}  # config fields specific to this strategy -> their defaults
 
     def __init__(self, allreduce: str | None = None, *, torus_x: int | None = None, stragglers=None,
                  compress: str | None = None):
@@ -49,10 +48,6 @@ class Sync(StrategyBase):
         """The codec of the gradient's fsdp leg in `variant` (`jaxpar.strategies.replicas.fsdp_leg_codec`): the
         explicit step's, which averages its gradient with the codec."""
         return getattr(self.communicator, "codec", None)
-
-    @classmethod
-    def from_options(cls, options: dict, steps: int) -> "Sync":
-        return cls(**cls._common(options), compress=options.get("compress"))
 
     def init(self, ctx, state):
         return state

@@ -40,7 +40,7 @@ def test_the_flags_are_config_fields_in_the_pipeline_group():
                         "--microbatches", "2"])
     assert (config.pipeline, config.microbatches, config.repeats) == ("circular", 2, 2)
     for name in ("pipeline", "microbatches", "repeats"):
-        assert OPTIONS[name]["group"] == "pipeline" and OPTIONS[name]["checks"]
+        assert OPTIONS[name].group == "pipeline" and OPTIONS[name].checks
     assert "gpipe | circular | 1f1b" in describe("pipeline") and "default: gpipe" in describe("pipeline")
     assert "default: 1" in describe("microbatches") and "--grad-accum" in describe("microbatches")
     assert "--pipeline circular" in describe("repeats") and "default: 1" in describe("repeats")

@@ -9,9 +9,12 @@ import jaxpar
 import models
 import run
 from jaxpar import strategies
-from jaxpar.cli.config import MODEL_DEFAULTS, OPTIONS, Config
+from jaxpar.cli import strategies as cli_strategies
+from jaxpar.cli.config import OPTIONS, Config
+from jaxpar.cli.defaults import MODEL_DEFAULTS
 from jaxpar.cli.help import describe
-from jaxpar.cli.options import APPLIES_TO, GROUPS, MODELS, STRATEGIES
+from jaxpar.cli.options import GROUPS
+from jaxpar.cli.strategies import APPLIES_TO, NAMES as STRATEGIES
 from jaxpar.cli.flags import FLAGS
 
 CONFIG_FILE_ONLY = {"channels", "rules"}
@@ -25,19 +28,28 @@ def fails(argv, capsys) -> str:
     return err
 
 
+def test_config_lives_in_the_cli_and_the_root_name_still_works():
+    import jaxpar.cli
+
+    assert jaxpar.Config is jaxpar.cli.Config is Config and "Config" in jaxpar.__all__
+    from jaxpar import Config as from_the_root
+
+    assert from_the_root is Config
+
+
 # --- one declaration -> flags, help, defaults -------------------------------------------------------------------
 def test_generated_flags_match_the_fields_exactly():
     names = [f.name for f in dataclasses.fields(Config)]
-    assert [f.field for f in FLAGS] == [n for n in names if n not in CONFIG_FILE_ONLY]
-    assert all(f.flag == "--" + f.field.replace("_", "-") for f in FLAGS)
+    assert [f.option for f in FLAGS] == [n for n in names if n not in CONFIG_FILE_ONLY]
+    assert all(f.flag == "--" + f.option.replace("_", "-") for f in FLAGS)
     parser_dests = {a.dest for a in run.parser()._actions} - {"help", "config"}
-    assert parser_dests == {f.field for f in FLAGS}
-    assert not any(OPTIONS[n]["flag"] for n in CONFIG_FILE_ONLY)
+    assert parser_dests == {f.option for f in FLAGS}
+    assert not any(OPTIONS[n].flag for n in CONFIG_FILE_ONLY)
 
 
 def test_every_option_is_declared_with_help_group_and_a_type_the_flag_parses():
     for f in dataclasses.fields(Config):
-        assert f.metadata["help"] and f.metadata["group"] in GROUPS, f.name
+        assert OPTIONS[f.name].help and OPTIONS[f.name].group in GROUPS, f.name
     assert {flag.type for flag in FLAGS} <= {int, float, str, bool}
     args = run.parser().parse_args(["--heads", "6", "--lr", "0.5", "--strategy", "ssp"])
     assert (args.heads, args.lr, args.strategy, args.steps, args.explain) == (6, 0.5, "ssp", None, None)
@@ -56,12 +68,12 @@ def test_help_and_defaults_come_from_the_declaration(capsys):
         assert "".join(flag.help.split()) in squeezed, flag.flag
     plain = {f.name: f.default for f in dataclasses.fields(Config) if f.default is not None}
     for name, default in plain.items():
-        if OPTIONS[name]["flag"]:
+        if OPTIONS[name].flag:
             assert f"default: {default}" in describe(name), name
     for model, defaults in MODEL_DEFAULTS.items():
         for name, default in defaults.items():
             assert f"{model} only" in describe(name)
-            if not callable(default) and OPTIONS[name]["default_text"] is None:
+            if not callable(default) and OPTIONS[name].default_text is None:
                 assert f"default: {default}" in describe(name), name
     assert "default: 4" in describe("sync_period") and "local_sgd / diloco only" in describe("sync_period")
     assert "default: 2" in describe("staleness") and "ssp only" in describe("staleness")
@@ -69,15 +81,16 @@ def test_help_and_defaults_come_from_the_declaration(capsys):
         assert form in describe("mesh")
 
 
-def test_strategy_facts_are_read_from_the_strategies():
-    assert STRATEGIES == tuple(strategies.REGISTRY)
-    for name, cls in strategies.REGISTRY.items():
-        for option in {**strategies.COMMON_OPTIONS, **cls.OPTIONS}:
+def test_strategy_facts_are_read_from_the_strategies_cli_table():
+    assert STRATEGIES == tuple(strategies.REGISTRY) == tuple(cls.name for cls in cli_strategies.ADAPTERS)
+    for name in strategies.REGISTRY:
+        for option in cli_strategies.options_of(name):
             assert name in APPLIES_TO[option]
             assert Config.__dataclass_fields__[option].default is None  # None = "not given"
-    assert set(APPLIES_TO) == set(strategies.COMMON_OPTIONS).union(*(c.OPTIONS for c in strategies.REGISTRY.values()))
+    assert set(APPLIES_TO) == set(cli_strategies.COMMON_OPTIONS).union(
+        *(a.options for a in cli_strategies.ADAPTERS.values()))
     assert APPLIES_TO["sync_period"] == ("local_sgd", "diloco") and APPLIES_TO["staleness"] == ("ssp",)
-    assert set(MODELS) == set(models.LOSSES)
+    assert set(models.MODELS) == set(models.LOSSES)
 
 
 # --- options that do not apply are errors --------------------------------------------------------------------------
@@ -148,7 +161,7 @@ def test_resolved_fills_the_declared_defaults_that_apply():
 def test_resolved_strategy_options_are_the_strategies_own_defaults(name):
     resolved = Config(strategy=name).resolved()
     for option, strategies_ in APPLIES_TO.items():
-        expected = strategies.option_default(name, option) if name in strategies_ else None
+        expected = cli_strategies.option_default(name, option) if name in strategies_ else None
         assert getattr(resolved, option) == expected, option
     resolved.validate()
 
@@ -159,7 +172,7 @@ def test_resolved_strategy_options_are_the_strategies_own_defaults(name):
 ])
 def test_batchnorm_default_and_the_bn_sync_check_ask_the_strategy(changes, bn):
     config = Config(model="cnn", **changes)
-    assert config.resolved().bn == bn == ("local" if strategies.from_config(config).local_statistics else "sync")
+    assert config.resolved().bn == bn == ("local" if cli_strategies.from_config(config).local_statistics else "sync")
     if bn == "local":
         with pytest.raises(jaxpar.ConfigError, match="--bn sync needs --strategy sync without --allreduce"):
             config.replace(bn="sync").validate()

@@ -13,6 +13,7 @@ import pytest
 import jaxpar
 import models
 import run
+from jaxpar.cli import Config
 from jaxpar.io.checkpoint import Checkpointer
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "checkpoint_v1")
@@ -94,7 +95,7 @@ def test_the_old_local_sgd_checkpoint_restores_onto_another_replica_count_and_st
 def test_the_old_local_sgd_checkpoint_is_averaged_onto_8_replicas():
     """Through the library: every one of the 8 new replicas starts from the mean of the 4 saved ones."""
     saved = np.load(os.path.join(DATA, "local_sgd_arrays.npz"))
-    config = jaxpar.Config(model="mlp", hidden=16)
+    config = Config(model="mlp", hidden=16)
     # run.py's optimizer structure: adamw with a schedule (its state: adam's, weight decay's, the schedule's count)
     trainer = jaxpar.Trainer(model=models.factory(config), loss_fn=models.LOSSES["mlp"],
                              optimizer=optax.adamw(optax.constant_schedule(3e-3)), mesh=jaxpar.make_mesh("8"),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxpar
+from jaxpar.cli import Config
 from jaxpar.io import corpus as corpus_lib
 from jaxpar.io import data
 from tests.helpers import child_env
@@ -229,7 +230,7 @@ def test_windows_read_from_disk_equal_the_windows_of_the_corpus_in_memory(seq_le
 def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_only_its_windows():
     from jaxpar.cli.build import datasets
 
-    config = jaxpar.Config(model="transformer", seq_len=16, seed=3)
+    config = Config(model="transformer", seq_len=16, seed=3)
     old_train, old_val = data.split_text(data.load_text(None), seq_len=16)  # the whole corpus in memory
     old = data.text_batches(old_train, 8, 16, seed=3)
     train, held_out = datasets(config, lambda step: 8, 8)
@@ -254,7 +255,7 @@ def test_two_processes_draw_the_rows_of_the_one_process_batches_reading_half_the
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     got = [dict(np.load(tmp_path / f"p{k}.npz")) for k in (0, 1)]
-    train, held_out = datasets(jaxpar.Config(model="transformer", seq_len=16, seed=3), lambda step: 8, 8)
+    train, held_out = datasets(Config(model="transformer", seq_len=16, seed=3), lambda step: 8, 8)
     expected = np.stack([next(train)["tokens"] for _ in range(5)])
     evaluated = next(data.Batches(held_out, 8, seed=0, shuffle=False))["tokens"]
     assert [p["rows"].tolist() for p in got] == [[0, 1, 2, 3], [4, 5, 6, 7]]

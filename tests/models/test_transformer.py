@@ -15,6 +15,7 @@ from flax import nnx
 
 import jaxpar
 import models
+from jaxpar.cli import Config
 from jaxpar.io.checkpoint import Checkpointer
 from jaxpar.pipeline import Pipeline
 from models import convert
@@ -35,7 +36,7 @@ def tokens(seed=0, size=16, length=SMALL["seq_len"] + 1):
 
 
 def config(block=LLAMA, layers=3, dropout=0.0):
-    return jaxpar.Config(model="transformer", block=block, layers=layers, dropout=dropout, **SMALL)
+    return Config(model="transformer", block=block, layers=layers, dropout=dropout, **SMALL)
 
 
 def trainer_for(mesh, block=LLAMA, layers=3, dropout=0.0, optimizer=None, pipeline=None, model=None):

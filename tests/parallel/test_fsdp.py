@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 import models
+from jaxpar.cli import Config
 from jaxpar.cost.hlo import collective_stats
 from tests.helpers import batch_for, trainer_for
 
@@ -29,7 +30,7 @@ def per_device_and_total_bytes(state):
 
 @pytest.mark.parametrize("mesh, parameter_ways", [("fsdp=8", 8), ("data=2,fsdp=2,model=2", 4)])
 def test_default_transformer_params_and_adam_state_are_split_over_fsdp_and_model(mesh, parameter_ways):
-    config = jaxpar.Config()  # the default transformer, as `python run.py` trains it
+    config = Config()  # the default transformer, as `python run.py` trains it
     trainer = jaxpar.Trainer(models.factory(config), models.loss_for(config), optax.adamw(1e-3),
                              jaxpar.make_mesh(mesh))
     per_device, total = per_device_and_total_bytes(trainer.init(0))

@@ -11,7 +11,7 @@ import pytest
 
 import jaxpar
 import models
-from jaxpar import Config
+from jaxpar.cli import Config
 from jaxpar.pipeline import Pipeline
 from tests.helpers import TINY, batch_for
 from tests.train.test_remat import assert_same, train

@@ -15,7 +15,7 @@ from flax import nnx
 import jaxpar
 import models
 import run
-from jaxpar import Config
+from jaxpar.cli import Config
 from jaxpar.pipeline import Pipeline
 from jaxpar.runtime.resources import step_flops
 from jaxpar.train.remat import REMATS
