@@ -156,15 +156,16 @@ def convergence_table(runs):
 
 def priced_clock(trainer, strategy, profile, batch, steps):
     """sim_time after each step, each variant priced from its compiled step on `profile` (what
-    `Trainer(hardware=...)` does: `Trainer.step_cost`)."""
-    trainer.hardware = profile
-    trainer.step_costs.clear()
+    `Trainer(hardware=...)` does: `jaxpar.cost.step_pricer.StepPricer`)."""
+    from jaxpar.cost.step_pricer import StepPricer
+
+    pricer = StepPricer(profile)
+    pricer.attach(trainer)
     first = strategy.plan(trainer.ctx, 0)
     costs = {}
     for variant in strategy.variant_shares():
-        trainer._price(variant, trainer.compiled_step(variant, batch,
-                                                      first.inputs if first.variant == variant else {}))
-        costs[variant] = trainer.step_costs[variant]
+        costs[variant] = pricer.price(variant, trainer.compiled_step(variant, batch,
+                                                                     first.inputs if first.variant == variant else {}))
     clock = strategy.clock.priced(costs.__getitem__)
     return [clock.time_after(trainer.num_replicas, n) for n in range(steps)], costs
 

@@ -32,6 +32,7 @@ from jaxpar.cost import fit as fitting
 from jaxpar.cost import codecs, pipelines, topology
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
+from jaxpar.cost.step_pricer import profile_of
 from jaxpar.names import named_leaves
 from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel import mesh as mesh_lib
@@ -125,7 +126,7 @@ def theory(trainer, variant: str, blocks: int | None = None, batch=None) -> list
     for expected in (strategy.theory(trainer.ctx, variant, _gradient_bytes(trainer)) if n > 1 else []):
         grad = expected.bytes
         t = theoretical_traffic(algorithm, n, grad, torus_x)
-        grid = topology.torus_note(strategy, mesh, trainer.hardware)
+        grid = topology.torus_note(strategy, mesh, profile_of(trainer))
         line = {"axis": DATA, "what": f"{expected.what} averaged over {n} replicas ({_ALGORITHM_LABELS[algorithm]}; "
                 f"B = {grad:,} bytes{'; ' + grid if grid else ''})",
                 "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}
@@ -246,11 +247,11 @@ def _tokens(batch) -> int | None:
 def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compiled: dict | None = None) -> dict:
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
-    With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing.
+    With a hardware profile (`Trainer(hardware=...)`), projected seconds too. Compiles each step variant once; runs nothing.
     `fit`: also what fits a device (`jaxpar.cost.fit.advise`: every remat policy at two batch sizes, compiled, and
     the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step} already
     compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""
-    profile, mesh = trainer.hardware, trainer.mesh
+    profile, mesh = profile_of(trainer), trainer.mesh
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_plan(trainer), "variants": {},
            "hardware": None if profile is None else {"name": profile.name, "describe": profile.describe(),
@@ -276,8 +277,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
         if tokens and flops:
             entry["flops_per_token"] = flops * mesh.size / tokens
         if profile is not None:
-            trainer._price(variant, program)
-            cost = trainer.step_costs[variant]
+            cost = trainer.pricer.price(variant, program)
             entry["projected_seconds"] = {"compute": cost.compute, "communication": cost.comm,
                                           "overlap": cost.overlap, "step": cost.compute + cost.exposed}
         out["variants"][variant] = entry

@@ -112,9 +112,10 @@ def projected_parts(trainer, batch, launch: float) -> tuple[float, float]:
     """(P, C): the projected compute without the launch and the exposed communication of the trainer's first step
     variant on global batches shaped like `batch`, on the trainer's profile."""
     from jaxpar.cost.hardware import compiled_cost
+    from jaxpar.cost.step_pricer import profile_of
 
     variant = trainer.strategy.plan(trainer.ctx, 0).variant
-    cost = compiled_cost(trainer.compiled_step(variant, batch), trainer.mesh, trainer.hardware)
+    cost = compiled_cost(trainer.compiled_step(variant, batch), trainer.mesh, profile_of(trainer))
     return cost.compute - launch, cost.exposed
 
 

@@ -261,7 +261,7 @@ def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_mea
     seen = []
 
     def timer(trainer, batch):
-        compute, comm = model_step.projected_parts(trainer, batch, trainer.hardware.launch)
+        compute, comm = model_step.projected_parts(trainer, batch, trainer.pricer.profile.launch)
         seen.append(2e-3 + compute / 0.2 + comm)
         return seen[-1]
 
