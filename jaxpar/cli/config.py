@@ -24,7 +24,7 @@ from jaxpar.cost.hardware import PROFILES
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS
 from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.train.remat import REMATS
-from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES
+from jaxpar.train.lr_schedules import LR_SCALINGS, LR_SCHEDULES
 
 _mesh, _pipe, _arch, _data, _optim, _strategy, _large, _run, _faults, _procs = map(section, GROUPS)
 _models = " | ".join(f"{name} ({spec.summary})" for name, spec in models.REGISTRY.items())

@@ -9,7 +9,7 @@ from jaxpar import strategies
 from jaxpar.cli.config import Config
 from jaxpar.cli.defaults import given
 from jaxpar.cli.pipelining import blocks_field, spec_stages
-from jaxpar.train.schedules import parse_batch_ramp
+from jaxpar.train.lr_schedules import parse_batch_ramp
 
 
 def run_notes(config: Config) -> list[str]:

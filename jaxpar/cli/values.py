@@ -21,7 +21,7 @@ from jaxpar.parallel.compression import parse_codec
 from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.train.remat import REMATS
-from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+from jaxpar.train.lr_schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 
 Check = Callable[[str, Any], "str | None"]
 OPTIMIZERS = ("adamw", "sgd", "momentum")
