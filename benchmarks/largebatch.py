@@ -16,8 +16,8 @@ Mesh "8": 8-way data parallel, so every batch size must divide by 8. The four re
 - (a) `none`:    lr = base lr at every batch size;
 - (b) `linear`:  lr = base lr x batch / 32 (the linear scaling rule);
 - (c) `warmup`:  (b) + linear warmup over `--warmup-epochs` epochs' worth of steps (ceil(epochs x 1497 / batch),
-                 at least 1, at most the run), from lr/W to lr as `jaxpar.train.lr_schedules.lr_schedule` does it (Goyal et
-                 al. start the warmup at the unscaled lr instead);
+                 at least 1, at most the run), from lr/W to lr as `jaxpar.train.lr_schedules.lr_schedule` does it
+                 (Goyal et al. start the warmup at the unscaled lr instead);
 - (d) `smooth`:  (c) + label smoothing 0.1 on the training loss (the evaluation loss is never smoothed).
 
 One `jaxpar.Trainer` per (batch size, recipe) (each compiles its step once), reused for every seed. Reported per

@@ -247,7 +247,8 @@ def _tokens(batch) -> int | None:
 def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compiled: dict | None = None) -> dict:
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
-    With a hardware profile (`Trainer(hardware=...)`), projected seconds too. Compiles each step variant once; runs nothing.
+    With a hardware profile (`Trainer(hardware=...)`), projected seconds too. Compiles each step variant once; runs
+    nothing.
     `fit`: also what fits a device (`jaxpar.cost.fit.advise`: every remat policy at two batch sizes, compiled, and
     the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step} already
     compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""

@@ -163,19 +163,21 @@ def spec_for(logical_names, rules, mesh: Mesh, where: str, shape=None, strict: b
     return _spec(entries, mesh)
 
 
-def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None) -> P:
-    """The spec of a parameter without logical names: split over fsdp along its largest dimension that divides
-    (big_vision's rule), or whole when none does (listed in `notes`; a scalar has nothing to split)."""
-    entries: list[tuple[str, ...]] = [()] * len(shape)
+def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None, placed: P = P()) -> P:
+    """The spec of a parameter without logical names (`placed`: the spec of the dimensions it names, a stacked
+    block's layers): split over fsdp along its largest dimension that divides (big_vision's rule), or as placed when
+    none does (listed in `notes`; a scalar has nothing to split)."""
+    entries: list[tuple[str, ...]] = [(e,) if isinstance(e, str) else tuple(e or ()) for e in placed]
+    entries += [()] * (len(shape) - len(entries))
     if mesh_lib.size(mesh, mesh_lib.FSDP_AXIS) == 1:
-        return REPLICATED  # as for any parameter without names: nothing to split
+        return placed  # as for any parameter without names: nothing to split
     dim = _place_elsewhere(entries, mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS), mesh, shape)
     if notes is not None:
         if dim is not None:
             notes.fsdp_auto += 1
         elif len(shape):
             notes.whole.append((where, tuple(shape)))
-    return _spec(entries, mesh) if dim is not None else REPLICATED
+    return _spec(entries, mesh) if dim is not None else placed
 
 
 def _spec(entries, mesh: Mesh) -> P:
@@ -272,13 +274,16 @@ def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, note
             found = match(by_path, rule_path(path[path_root:]))
             if found is not None:
                 rule, names = found.text, dimension_names(found, shape, where, mesh.axis_names)
+        # a Stack of blocks without names names only the layer dimension: the rest is as unnamed as before
+        layers_only = bool(names) and rule is None and names[0] == LAYERS and not any(names[1:])
         if notes is not None and is_param:
             notes.parameters += 1
-            if names:
+            if names and not layers_only:
                 notes.annotated += 1
                 notes.unruled.update(n for n in names if isinstance(n, str) and n not in ruled)
-        if is_param and not names and not strict and shape is not None:
-            spec = fsdp_anywhere(shape, mesh, where, notes)
+        if is_param and (not names or layers_only) and not strict and shape is not None:
+            placed = spec_for(names, rules, mesh, where, shape, strict, notes) if names else REPLICATED
+            spec = fsdp_anywhere(shape, mesh, where, notes, placed)
         else:
             spec = spec_for(names, rules, mesh, where, shape, strict, notes, rule)
         if is_param:

@@ -91,7 +91,7 @@ class Stack(nnx.Module):
         _name_layers(self.layers)
 
     run: LayerRun = ALONE  # how the layers run (`bind`); a class default, so an unbound model's graph is unchanged
-    tap = None  # 1F1B's split of the loss: `tap(stack, x, args, key)` stands in for the layers (`jaxpar.pipeline.split`)
+    tap = None  # 1F1B's split of the loss (`jaxpar.pipeline.split`): `tap(stack, x, args, key)` replaces the layers
 
     # --- one chunk of layers ---------------------------------------------------------------------------------------
     def _chunk(self, graphdef, args, key, remat=None, shard=None):

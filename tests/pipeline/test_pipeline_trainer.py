@@ -279,3 +279,11 @@ def test_a_stack_of_plain_linear_blocks_pipelines_and_equals_the_unpipelined_run
     specs = staged.state_shardings.params["blocks"]["layers"]
     assert specs["kernel"].spec == P("stage", None, None) and specs["bias"].spec == P("stage", None)
     assert_same(got, run("1x1")[1])
+
+
+@pytest.mark.parametrize("mesh, spec", [("fsdp=2", P(None, "fsdp", None)), ("stage=2,fsdp=2", P("stage", "fsdp", None))])
+def test_plain_blocks_keep_the_automatic_fsdp_split_beside_their_stage_split(mesh, spec):
+    trainer = jaxpar.Trainer(PlainNet, loss_fn, optax.sgd(0.1), jaxpar.make_mesh(mesh))
+    assert trainer.state_shardings.params["blocks"]["layers"]["kernel"].spec == spec  # [4, 16, 16]: the first 16
+    assert trainer.notes[0].startswith("the model names no parameter dimensions, so 6 of its 6 parameters are split "
+                                       "over fsdp")
