@@ -156,17 +156,17 @@ def convergence_table(runs):
 
 def priced_clock(trainer, strategy, profile, batch, steps):
     """sim_time after each step, each variant priced from its compiled step on `profile` (what
-    `Trainer(hardware=...)` does: `Trainer.step_cost`)."""
+    `Trainer(hardware=...)` does: `jaxpar.cost.step_pricer.StepPricer`)."""
+    from jaxpar.cost.step_pricer import StepPricer
     from jaxpar.cost.strategy_costs import variant_shares
 
-    trainer.hardware = profile
-    trainer.step_costs.clear()
+    pricer = StepPricer(profile)
+    pricer.attach(trainer)
     first = strategy.plan(trainer.ctx, 0)
     costs = {}
     for variant in variant_shares(strategy):
-        trainer._price(variant, trainer.compiled_step(variant, batch,
-                                                      first.inputs if first.variant == variant else {}))
-        costs[variant] = trainer.step_costs[variant]
+        costs[variant] = pricer.price(variant, trainer.compiled_step(variant, batch,
+                                                                     first.inputs if first.variant == variant else {}))
     clock = strategy.clock.priced(costs.__getitem__)
     return [clock.time_after(trainer.num_replicas, n) for n in range(steps)], costs
 

@@ -16,8 +16,8 @@ Mesh "8": 8-way data parallel, so every batch size must divide by 8. The four re
 - (a) `none`:    lr = base lr at every batch size;
 - (b) `linear`:  lr = base lr x batch / 32 (the linear scaling rule);
 - (c) `warmup`:  (b) + linear warmup over `--warmup-epochs` epochs' worth of steps (ceil(epochs x 1497 / batch),
-                 at least 1, at most the run), from lr/W to lr as `jaxpar.train.schedules.lr_schedule` does it (Goyal et
-                 al. start the warmup at the unscaled lr instead);
+                 at least 1, at most the run), from lr/W to lr as `jaxpar.train.lr_schedules.lr_schedule` does it
+                 (Goyal et al. start the warmup at the unscaled lr instead);
 - (d) `smooth`:  (c) + label smoothing 0.1 on the training loss (the evaluation loss is never smoothed).
 
 One `jaxpar.Trainer` per (batch size, recipe) (each compiles its step once), reused for every seed. Reported per
@@ -125,7 +125,7 @@ def main():
 
     import models
     from jaxpar.io import data
-    from jaxpar.train import schedules
+    from jaxpar.train import lr_schedules
 
     train, test = data.load_digits()
     test_batch = {k: v[:TEST_EVAL] for k, v in test.items()}
@@ -148,7 +148,7 @@ def main():
                 warmup = min(max(math.ceil(args.warmup_epochs * TRAIN_SIZE / batch), 1), steps) if uses_warmup else 0
                 parts = common.setup(args.model, mesh=args.mesh, dropout=0.0, hidden=128, batch_size=batch,
                                      label_smoothing=smoothing)
-                schedule = schedules.lr_schedule(args.lr, steps, scaling=scaling,
+                schedule = lr_schedules.lr_schedule(args.lr, steps, scaling=scaling,
                                                  base_batch_size=args.base_batch_size, batch_at=lambda step: batch,
                                                  warmup_steps=warmup, schedule=args.schedule)
                 optimizer = optax.sgd(schedule, momentum=args.momentum)

@@ -27,7 +27,11 @@ from jaxpar.train import actions
 from jaxpar.train.actions import Action, Evaluate, StepEvent, Trace
 from jaxpar.train.linen import from_linen
 from jaxpar.train.step import TrainState
+from jaxpar.train import pricer as _pricer
+from jaxpar.cost.step_pricer import StepPricer as _StepPricer
 from jaxpar.train.trainer import Trainer
+
+_pricer.register(_StepPricer.for_hardware)  # `Trainer(hardware=...)`: the cost analyser prices the trainer's steps
 
 # `jaxpar.actions` and `jaxpar.distributed` are public namespaces: `import jaxpar.actions` works as well as the
 # attribute

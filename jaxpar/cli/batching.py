@@ -7,7 +7,7 @@ from jaxpar.cli.pipelining import indivisible_microbatches
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.train.batches import indivisible_accum, indivisible_batch
-from jaxpar.train.schedules import parse_batch_ramp
+from jaxpar.train.lr_schedules import parse_batch_ramp
 
 
 def batch_sizes(config, ways: int, replicas: int) -> list[int]:

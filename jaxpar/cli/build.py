@@ -22,7 +22,7 @@ from jaxpar.strategies import BN_LOCAL
 from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError
 from jaxpar.io import data
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.train.lr_schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.train.trainer import Trainer
 
 

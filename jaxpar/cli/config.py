@@ -29,7 +29,7 @@ from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.train.remat import REMATS
-from jaxpar.train.schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
+from jaxpar.train.lr_schedules import LR_SCALINGS, LR_SCHEDULES, parse_batch_ramp
 
 _mesh, _pipe, _arch, _data, _optim, _strategy, _large, _run, _faults, _procs = map(section, GROUPS)
 _models = " | ".join(f"{name} ({spec.summary})" for name, spec in models.REGISTRY.items())

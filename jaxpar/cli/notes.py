@@ -14,7 +14,7 @@ from jaxpar.cli.pipelining import blocks_option, spec_stages
 from jaxpar.cli.values import parse_profile
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.compression import as_matrix_shape, parse_codec
-from jaxpar.train.schedules import parse_batch_ramp
+from jaxpar.train.lr_schedules import parse_batch_ramp
 
 
 def run_notes(config: Config) -> list[str]:

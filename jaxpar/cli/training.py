@@ -22,6 +22,7 @@ from jaxpar.cli.paths import profile_folder
 from jaxpar.cli.processes import join_processes
 from jaxpar.cli.strategies import notes as strategy_notes
 from jaxpar.cli.values import parse_profile
+from jaxpar.cost.step_pricer import profile_of
 from jaxpar.errors import CheckpointError, JaxparError, Preempted, Terminated, cli_message
 from jaxpar.io import data
 from jaxpar.io.metrics import EVAL_PREFIX, JsonlFile, RunLogger, records_before
@@ -151,11 +152,11 @@ def _headline(config: Config, trainer: Trainer, state, start: int, size_at) -> s
 
 def _peak_flops(trainer: Trainer, say) -> float | None:
     """The peak FLOP/s flops_utilization is measured against (said as such), or None."""
-    mesh = trainer.mesh
-    if trainer.hardware is not None:
-        say(f"jaxpar: sim_time is priced on {trainer.hardware.describe()}: a projection from each compiled step's "
+    mesh, profile = trainer.mesh, profile_of(trainer)
+    if profile is not None:
+        say(f"jaxpar: sim_time is priced on {profile.describe()}: a projection from each compiled step's "
             f"FLOPs and collectives, not this machine's time; flops_utilization is against that profile's peak")
-        return trainer.hardware.flops * mesh.size
+        return profile.flops * mesh.size
     if mesh.devices.flat[0].platform == "cpu":  # the utilisation's denominator: a measured peak, said as such
         from jaxpar.runtime.resources import measured_matmul_peak
 

@@ -129,13 +129,13 @@ def uncounted_flops(codec, shapes, n: int) -> float:
     return float(codec.flops(shapes, n).get("orthogonalise", 0))
 
 
-def compiled_step_cost(trainer, compiled, gradients: bool, exchanges: bool):
-    """`jaxpar.cost.hardware.compiled_cost` of a compiled step of `trainer`, with its codec priced: no wire-dtype
+def compiled_step_cost(trainer, compiled, gradients: bool, exchanges: bool, profile):
+    """`jaxpar.cost.hardware.compiled_cost` of a compiled step of `trainer` on `profile`, with its codec priced: no
+    wire-dtype
     scaling of bytes the codec already encoded, plus the codec's compute XLA does not count (in a variant that
     `exchanges` over the replica axis)."""
     from jaxpar.cost.hardware import compiled_cost
 
-    profile = trainer.hardware
     codec = codec_of(trainer.ctx.communicator)
     if codec is None:
         return compiled_cost(compiled, trainer.mesh, profile, gradients)

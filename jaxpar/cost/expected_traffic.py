@@ -7,6 +7,7 @@ import jax
 
 from jaxpar.cost import codecs, pipelines, strategy_costs, topology
 from jaxpar.cost.sharding_layout import fsdp_group_bytes, gradient_bytes
+from jaxpar.cost.step_pricer import profile_of
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import theoretical_traffic
 
@@ -30,7 +31,7 @@ def theory(trainer, variant: str, blocks: int | None = None, batch=None) -> list
     for expected in (strategy_costs.theory(strategy, variant, gradient_bytes(trainer)) if n > 1 else []):
         grad = expected.bytes
         t = theoretical_traffic(algorithm, n, grad, torus_x)
-        grid = topology.torus_note(strategy, mesh, trainer.hardware)
+        grid = topology.torus_note(strategy, mesh, profile_of(trainer))
         line = {"axis": DATA, "what": f"{expected.what} averaged over {n} replicas ({_ALGORITHM_LABELS[algorithm]}; "
                 f"B = {grad:,} bytes{'; ' + grid if grid else ''})",
                 "bytes_sent_per_device": t["bytes_sent_per_device"], "steps": t["steps"]}

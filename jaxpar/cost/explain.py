@@ -34,6 +34,7 @@ from jaxpar.cost.explain_text import format_explain  # noqa: F401 - jaxpar.cost.
 from jaxpar.cost.hardware import collective_seconds
 from jaxpar.cost.hlo import bytes_sent, collective_ops, loop_flops, unknown_loops
 from jaxpar.cost.sharding_layout import sharding_layout
+from jaxpar.cost.step_pricer import profile_of
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
 from jaxpar.strategies import REGISTRY
@@ -97,11 +98,11 @@ def _tokens(batch) -> int | None:
 def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compiled: dict | None = None) -> dict:
     """The plan, memory, communication and FLOPs of `trainer`'s steps on global batches shaped like `batch` (arrays
     or `jax.ShapeDtypeStruct`s), as a dict; `blocks`: transformer blocks, for the tensor-parallel expectation.
-    With `trainer.hardware`, projected seconds too. Compiles each step variant once; runs nothing.
+    With a hardware profile (`Trainer(hardware=...)`), projected seconds too. Compiles each step variant once; runs nothing.
     `fit`: also what fits a device (`jaxpar.cost.memory_fit.what_fits`: every remat policy at two batch sizes,
     compiled, and the suggested policy and batch), under the key "fit". `compiled`: {variant: its compiled step}
     already compiled for `batch` (`jaxpar.plan` compiles its meshes at once); the others are compiled here."""
-    profile, mesh = trainer.hardware, trainer.mesh
+    profile, mesh = profile_of(trainer), trainer.mesh
     out = {"mesh": dict(mesh.shape), "devices": int(mesh.size), "strategy": trainer.strategy.name,
            "device_memory": device_memory(mesh), "plan": sharding_layout(trainer), "variants": {},
            "hardware": None if profile is None else {"name": profile.name, "describe": profile.describe(),
@@ -130,8 +131,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
         if tokens and flops:
             entry["flops_per_token"] = flops * mesh.size / tokens
         if profile is not None:
-            trainer._price(variant, program)
-            cost = trainer.step_costs[variant]
+            cost = trainer.pricer.price(variant, program)
             entry["projected_seconds"] = {"compute": cost.compute, "communication": cost.comm,
                                           "overlap": cost.overlap, "step": cost.compute + cost.exposed}
         out["variants"][variant] = entry

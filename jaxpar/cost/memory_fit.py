@@ -18,6 +18,7 @@ import math
 import jax
 
 from jaxpar.cost.hlo import loop_flops
+from jaxpar.cost.step_pricer import profile_of
 from jaxpar.runtime.resources import device_memory, step_bytes, step_flops
 from jaxpar.train.remat import REMATS
 
@@ -31,7 +32,7 @@ VERIFY_UP_TO = 16
 def budget_of(trainer) -> tuple[int, str]:
     """(bytes a device may use, where that number comes from): the hardware profile's memory if it states one,
     else the device's own (on CPU: the machine's memory shared by its devices)."""
-    profile = trainer.hardware
+    profile = profile_of(trainer)
     if profile is not None and profile.memory:
         return int(profile.memory), f"the {profile.name} profile"
     return device_memory(trainer.mesh), "this machine's device"

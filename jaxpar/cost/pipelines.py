@@ -41,11 +41,12 @@ def pipelined(trainer) -> bool:
 
 def stack_input(trainer, batch):
     """The `ShapeDtypeStruct` of what the model's `Stack` is called with on `batch` (the whole global batch, one
-    accumulation step not split off), by tracing the loss abstractly with the stack recording its input; None if
-    nothing reaches a Stack."""
+    accumulation step not split off), by tracing the loss abstractly with the stack recording its input (`Capture`);
+    None if nothing reaches a Stack."""
     from flax import nnx
 
-    from jaxpar.pipeline import scope as scope_lib
+    from jaxpar.pipeline.split import Capture
+    from jaxpar.pipeline.stack import stacks
     from jaxpar.train.step import call_loss, make_rngs
 
     state = trainer.abstract_state(neutral=True)
@@ -53,9 +54,11 @@ def stack_input(trainer, batch):
 
     def capture(params, model_state, batch):
         model = nnx.merge(ctx.graphdef, params, model_state)
-        with scope_lib.using(scope_lib.Scope(trainer.mesh, trainer.pipeline, scope_lib.CAPTURE)) as scope:
-            call_loss(ctx.loss_fn, model, batch, make_rngs(jax.random.key(0)))
-        return scope.record.get("x")
+        record = Capture()
+        for stack in stacks(model):
+            stack.tap = record
+        call_loss(ctx.loss_fn, model, batch, make_rngs(jax.random.key(0)))
+        return record.x
 
     strip = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
     return jax.eval_shape(capture, strip(state.params), strip(state.model_state), strip(batch))

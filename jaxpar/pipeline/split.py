@@ -2,12 +2,16 @@
 the part after it, so the last stage can apply the rest of the model and the loss to each microbatch as it leaves
 and start its backward at once.
 
-Nothing of the user's model or loss changes. The loss function is traced three ways (`jaxpar.pipeline.scope`):
-- capture: the whole loss on the whole batch with the stack recording its input (the rest is dead code and
+Nothing of the user's model or loss changes. The loss function is traced three ways, the stack's `tap` standing in
+for its layers in the first and the last:
+- `Capture`: the whole loss on the whole batch with the stack recording its input (the rest is dead code and
   compiled away); its `jax.vjp` later turns the stack input's cotangent into the gradients of the part before;
 - the stacked layers, stage by stage, in `one_f_one_b`;
-- replace: the loss on microbatch m with the stack standing in its output (the part before is dead code): the
+- `Replace`: the loss on microbatch m with the stack returning its output (the part before is dead code): the
   head that `one_f_one_b` differentiates on the last stage.
+
+The mesh, `Pipeline` and remat policy are the stack's `LayerRun` (bound by the trainer); the loss comes in as a
+function `loss_of(model, batch, key) -> (loss, metrics)` (`jaxpar.train.step` passes the user's, checked).
 
 The step's loss and metrics are their means over microbatches (and over data shards, each stage map running its own
 rows), which equal the whole batch's for a loss and metrics that are means over examples (as under gradient
@@ -24,7 +28,6 @@ from flax import nnx
 from jaxpar.errors import ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.pipeline import scope as scope_lib
 from jaxpar.pipeline import shard_keys
 from jaxpar.pipeline.schedules import one_f_one_b
 from jaxpar.pipeline.stack import Stack, merge_microbatches, split_microbatches
@@ -40,6 +43,38 @@ def the_stack(model) -> tuple[tuple, Stack]:
     return found[0]
 
 
+class Capture:
+    """A stack's tap that records what the layers are called with and returns their input."""
+
+    def __init__(self):
+        self.x = self.args = self.key = None
+
+    def __call__(self, stack, x, args, key):
+        if self.x is not None:  # a second call: its input would overwrite the first's, its output be wrong
+            raise ModelError("--pipeline 1f1b (Pipeline('1f1b')): the model calls its jaxpar.pipeline.Stack more "
+                             "than once per step; 1F1B pipelines one pass through one stack (use --pipeline "
+                             "gpipe or circular, which pipeline every call)")
+        self.x, self.args, self.key = x, args, key
+        return x
+
+
+class Replace:
+    """A stack's tap that returns `output` (the layers' output, computed by the stages)."""
+
+    def __init__(self, output):
+        self.output = output
+
+    def __call__(self, stack, x, args, key):
+        return self.output
+
+
+def tapped(model, tap):
+    """`model` (a merged copy) with its one stack's tap set to `tap`: (the stack, the tap)."""
+    stack = the_stack(model)[1]
+    stack.tap = tap
+    return stack, tap
+
+
 def _head_inputs(mesh, micro, y):
     """The microbatch and the stack's output as the head sees them on the last stage.
 
@@ -53,22 +88,21 @@ def _head_inputs(mesh, micro, y):
     return micro, y
 
 
-def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
-    """`jaxpar.train.step.loss_and_grad` under 1F1B on a stage mesh: (loss, metrics, new model_state, grads)."""
-    from jaxpar.train.step import call_loss, make_rngs, split_model  # (the step module imports this one)
-
-    mesh, pipeline = scope.mesh, scope.pipeline
+def loss_and_grad(graphdef, loss_of, params, model_state, batch, key):
+    """`jaxpar.train.step.loss_and_grad` under 1F1B on a stage mesh: (loss, metrics, new model_state, grads).
+    `loss_of(model, batch, key)`: the user's loss on `model` with the streams of the typed `key`."""
+    path, stack = the_stack(nnx.merge(graphdef, params, model_state))
+    mesh, pipeline, remat = stack.run.mesh, stack.run.pipeline, stack.run.remat
     stages = mesh_lib.size(mesh, mesh_lib.STAGE_AXIS)
     count = pipeline.microbatches
-    path, stack = the_stack(nnx.merge(graphdef, params, model_state))
     prefix = tuple(path) + ("layers",)
 
     def pre(p):
         model = nnx.merge(graphdef, p, model_state)
-        with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.CAPTURE)) as inner:
-            call_loss(loss_fn, model, batch, make_rngs(key))
-        record = inner.record
-        return record["x"], (record["args"], record["key"], split_model(model)[2])
+        capturing, capture = tapped(model, Capture())
+        loss_of(model, batch, key)
+        capturing.tap = None
+        return capture.x, (capture.args, capture.key, nnx.split(model, nnx.Param, ...)[2])
 
     x, pull_pre, (args, stack_key, new_model_state) = jax.vjp(pre, params, has_aux=True)
     pipeline.check_layers(stack.num_layers, stages, "jaxpar.pipeline.Stack")
@@ -84,7 +118,7 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
 
     def body(stack_p, other_p, state, batch, xs, args, key, step_key):
         shard = None if rows_axis is None else (jax.lax.axis_index(rows_axis) * xs.shape[1], xs.shape[1])
-        run = stack._chunk(layer_graphdef, args, key, scope.remat, shard)
+        run = stack._chunk(layer_graphdef, args, key, remat, shard)
         stage = jax.lax.axis_index(mesh_lib.STAGE_AXIS)
 
         def stage_fn(layers, x, m):
@@ -93,12 +127,12 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope):
         def head_fn(other, y, m):
             model = nnx.merge(graphdef, nnx.merge_state(other, stack_p), state)
             micro, y = _head_inputs(mesh, jax.tree.map(lambda a: split_microbatches(a, count)[m], batch), y)
-            with scope_lib.using(scope_lib.Scope(mesh, pipeline, scope_lib.REPLACE, output=y)):
-                # each microbatch its own streams: the same key would repeat one dropout mask on every microbatch
-                key_m = jax.random.fold_in(jax.random.wrap_key_data(step_key), m)
-                if shard is not None:  # this data shard's rows of the microbatch's masks
-                    key_m = shard_keys.shard_key(key_m, *shard)
-                return call_loss(loss_fn, model, micro, make_rngs(key_m))
+            tapped(model, Replace(y))
+            # each microbatch its own streams: the same key would repeat one dropout mask on every microbatch
+            key_m = jax.random.fold_in(jax.random.wrap_key_data(step_key), m)
+            if shard is not None:  # this data shard's rows of the microbatch's masks
+                key_m = shard_keys.shard_key(key_m, *shard)
+            return loss_of(model, micro, key_m)
 
         return one_f_one_b(stage_fn, head_fn, stack_p, other_p, xs, axis=mesh_lib.STAGE_AXIS, rows_axis=rows_axis)
 

@@ -15,7 +15,11 @@ names (fsdp / model). A block is `block(x, *args)`, or `block(x, *args, rngs=rng
 `rngs`, returning an array shaped like `x`; `args` are the same for every layer and every microbatch (positions, a
 causal mask), never per example.
 
-How a call runs, from the trainer's `Pipeline` and mesh (`jaxpar.pipeline.scope`):
+The blocks' parameters without logical names get `layers` on their leading dimension alone (the rest unnamed), so
+a stack of plain blocks (`nnx.Linear` without partitioning) splits over stages too.
+
+How a call runs, from the `LayerRun` the trainer binds to the stack (`bind`: its mesh, `Pipeline` and remat policy,
+`jaxpar.pipeline.layer_run`):
 - no stage axis and one microbatch (or outside a trainer): a `lax.scan` over the layers;
 - no stage axis and M microbatches: each microbatch through that scan in turn (so dropout draws the same masks as
   on a stage mesh);
@@ -41,9 +45,8 @@ from jaxpar.checks import check_int
 from jaxpar.errors import ModelError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.pipeline import scope as scope_lib
 from jaxpar.pipeline import shard_keys
-from jaxpar.pipeline.config import Pipeline
+from jaxpar.pipeline.layer_run import ALONE, LayerRun
 from jaxpar.pipeline.schedules import circular
 
 LAYERS = "layers"  # the logical name of a stack's leading dimension (rules: layers -> the stage axis)
@@ -85,6 +88,10 @@ class Stack(nnx.Module):
 
         self.layers = create(rngs)
         self.num_layers = num_layers
+        _name_layers(self.layers)
+
+    run: LayerRun = ALONE  # how the layers run (`bind`); a class default, so an unbound model's graph is unchanged
+    tap = None  # 1F1B's split of the loss (`jaxpar.pipeline.split`): `tap(stack, x, args, key)` replaces the layers
 
     # --- one chunk of layers ---------------------------------------------------------------------------------------
     def _chunk(self, graphdef, args, key, remat=None, shard=None):
@@ -117,36 +124,26 @@ class Stack(nnx.Module):
         return run
 
     def __call__(self, x: jax.Array, *args, rngs: nnx.Rngs | None = None) -> jax.Array:
-        scope = scope_lib.current()
         key = None if rngs is None else jax.random.key_data(rngs.dropout())
-        if scope is not None and scope.mode == scope_lib.CAPTURE:  # 1F1B: what the layers are called with
-            if "x" in scope.record:  # a second call: its input would overwrite the first's, its output be wrong
-                raise ModelError("--pipeline 1f1b (Pipeline('1f1b')): the model calls its jaxpar.pipeline.Stack more "
-                                 "than once per step; 1F1B pipelines one pass through one stack (use --pipeline "
-                                 "gpipe or circular, which pipeline every call)")
-            scope.record.update(x=x, args=args, key=key, stack=self)
-            return x
-        if scope is not None and scope.mode == scope_lib.REPLACE:  # 1F1B: the part after the stack
-            return scope.output
+        if self.tap is not None:
+            return self.tap(self, x, args, key)
+        run = self.run
         graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        remat = None if scope is None else scope.remat
-        run = self._chunk(graphdef, args, key, remat)
-        pipeline = scope.pipeline if scope is not None else Pipeline()
-        stages = 1 if scope is None or scope.mesh is None else mesh_lib.size(scope.mesh, mesh_lib.STAGE_AXIS)
+        chunk = self._chunk(graphdef, args, key, run.remat)
+        stages, pipeline = run.stages, run.pipeline
         count = pipeline.microbatches
         if stages == 1 and count == 1:
-            y, rest = run(params, rest, x, 0, 0)
+            y, rest = chunk(params, rest, x, 0, 0)
             nnx.update(self.layers, rest)
             return y
         self._check_stateless(rest, stages)
-        shards = 1 if stages == 1 else shd.stage_row_shards(scope.mesh)
+        shards = 1 if stages == 1 else shd.stage_row_shards(run.mesh)
         pipeline.check_microbatches(x.shape[0], stages, "the batch reaching jaxpar.pipeline.Stack", shards)
         xs = split_microbatches(x, count)
         if stages == 1:
-            ys = lax.map(lambda mx: run(params, rest, mx[1], mx[0], 0)[0], (jnp.arange(count), xs))
+            ys = lax.map(lambda mx: chunk(params, rest, mx[1], mx[0], 0)[0], (jnp.arange(count), xs))
             return merge_microbatches(ys)
-        return merge_microbatches(self._pipelined(scope.mesh, pipeline, stages, params, rest, xs, args, key,
-                                                  remat))
+        return merge_microbatches(self._pipelined(run, stages, params, rest, xs, args, key))
 
     def _check_stateless(self, rest, stages: int) -> None:
         if jax.tree.leaves(rest):
@@ -157,8 +154,9 @@ class Stack(nnx.Module):
                              f"through stages); build the block's Dropout without rngs and pass rngs at call time "
                              f"(stack(x, rngs=rngs))")
 
-    def _pipelined(self, mesh, pipeline: Pipeline, stages: int, params, rest, xs, args, key, remat):
+    def _pipelined(self, run: LayerRun, stages: int, params, rest, xs, args, key):
         """GPipe / circular over the stage axis (1F1B evaluates with GPipe's forward)."""
+        mesh, pipeline, remat = run.mesh, run.pipeline, run.remat
         rounds = pipeline.rounds
         pipeline.check_layers(self.num_layers, stages, "jaxpar.pipeline.Stack")
         per = self.num_layers // (stages * rounds)
@@ -182,3 +180,31 @@ class Stack(nnx.Module):
         mapped = shd.over_stages(body, mesh, (shd.STAGE_SPLIT, shd.stage_rows(mesh, 1), shd.REPLICATED,
                                               shd.REPLICATED), shd.stage_rows(mesh, 2, staged=True))
         return mapped(by_stage, xs, args, key)[-1]
+
+
+def _name_layers(layers) -> None:
+    """`layers` on the leading dimension of each stacked parameter that has no logical names (`nnx.vmap` adds it only
+    to names a block gave)."""
+    for _, variable in nnx.iter_graph(layers):
+        rank = len(getattr(variable.get_value(), "shape", ())) if isinstance(variable, nnx.Param) else 0
+        if rank and not shd.logical_names_of(variable):
+            variable.set_metadata(out_sharding=(LAYERS,) + (None,) * (rank - 1))
+
+
+def stacks(model: nnx.Module) -> list[Stack]:
+    """The model's Stacks, in graph order."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Stack)]
+
+
+def bind(model: nnx.Module, run: LayerRun) -> bool:
+    """Sets `run` on every Stack of `model` (an abstract model, before the trainer takes its graphdef); whether it
+    has one."""
+    found = stacks(model)
+    for stack in found:
+        stack.run = run
+    return bool(found)
+
+
+def splits_loss(model: nnx.Module) -> bool:
+    """Whether `model`'s training step is 1F1B's split of the loss: a Stack bound to 1F1B on a stage mesh."""
+    return any(stack.run.splits_loss for stack in stacks(model))

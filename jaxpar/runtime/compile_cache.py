@@ -21,6 +21,8 @@ import os
 
 import jax
 
+from jaxpar.errors import ConfigError
+
 log = logging.getLogger("jaxpar")
 
 ENV = "JAXPAR_COMPILE_CACHE"
@@ -48,8 +50,12 @@ def _reset() -> None:
 
 def use_compile_cache(folder=_DEFAULT) -> str | None:
     """Turns JAX's persistent compilation cache on in `folder` (default: a folder already configured, else
-    `default_folder()`), or off with `None`. Returns the folder in use, or None. Call it before the first Trainer
+    `default_folder()`), or off with `None`; anything but a path is a `ConfigError`. Returns the folder in use, or
+    None. Call it before the first Trainer
     to choose; `Trainer` and `run.py` otherwise call `ensure_compile_cache()`, which picks the default."""
+    if folder is not None and folder is not _DEFAULT and not isinstance(folder, (str, os.PathLike)):
+        raise ConfigError(f"use_compile_cache({folder!r}): not a folder; pass a path (a str or os.PathLike), None to "
+                          f"turn the cache off, or nothing for the default folder")
     if folder is None:
         jax.config.update("jax_enable_compilation_cache", False)
         _reset()

@@ -1,4 +1,5 @@
-"""An exception raised inside the user's model or loss function, said as one `ModelCallError` line.
+"""An exception raised inside the user's model or loss function, said as one `ModelCallError` line (or, raised by
+the model factory, one `ModelError` line: `call_factory`).
 
 At trace time (`call_user`, around every call of the loss) the exception becomes a `ModelCallError` that says what
 was raised; the trainer, which knows the step and the global batch, says it again with both (`at_step`). The
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 
 import jax
 
-from jaxpar.errors import JaxparError, ModelCallError
+from jaxpar.errors import JaxparError, ModelCallError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.]+)")  # JAX's NameError for a collective over an unknown axis
@@ -27,6 +28,20 @@ def call_user(fn, *args):
         raise
     except Exception as error:
         raise ModelCallError(describe(error)) from error
+
+
+def call_factory(factory, rngs):
+    """`factory(rngs)`, the user's model factory; what it raises as one `ModelError` naming the factory (the
+    original as `__cause__`)."""
+    try:
+        return factory(rngs)
+    except (JaxparError, jax.errors.JaxRuntimeError):
+        raise
+    except Exception as error:
+        name = getattr(factory, "__name__", None) or type(factory).__name__
+        lines = str(error).strip().splitlines()
+        raise ModelError(f"model {name}: the factory raised {type(error).__name__}"
+                         f"{': ' + lines[0] if lines else ''}; it must build the model, rngs -> nnx.Module") from error
 
 
 def describe(error: Exception) -> str:

@@ -11,9 +11,10 @@ A policy decides, per intermediate value of the forward, whether it is saved for
 - `dots-no-batch`: `dots_with_no_batch_dims_saveable`, as `dots` but not the matmuls with batch dimensions (the
   attention scores and their product with v), which grow with the sequence length squared.
 
-Where it applies: per layer inside a `jaxpar.pipeline.Stack` (the built-in transformer's blocks; the scan over layers
-then keeps only what the policy allows of each layer), and to a model without a Stack as a whole-forward policy
-(the loss's forward under `jax.checkpoint`). The math is the same under every policy.
+Where it applies, decided when the trainer is built: per layer inside a `jaxpar.pipeline.Stack` (the built-in
+transformer's blocks; the trainer binds the policy to the stack, and the scan over layers then keeps only what the
+policy allows of each layer), and to a model without a Stack as a whole-forward policy (`whole_forward`: the loss's
+forward under `jax.checkpoint`). The math is the same under every policy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.train.step import call_loss
 
 Policy = Callable[..., bool]
 
@@ -51,9 +53,10 @@ def policy_of(remat, where: str = "remat") -> Policy | None:
                       f"callable (e.g. jax.checkpoint_policies.dots_saveable)")
 
 
-def has_stack(model: nnx.Module) -> bool:
-    """Whether `model` holds a `jaxpar.pipeline.Stack` (then remat applies per layer there, not to the whole
-    forward)."""
-    from jaxpar.pipeline.stack import Stack  # (the stack imports the pipeline scope, which imports nothing of ours)
+def whole_forward(loss_fn: Callable, policy: Policy) -> Callable:
+    """The three-argument `loss_fn` with its whole forward under `policy`: what the step differentiates for a model
+    without a `jaxpar.pipeline.Stack` (a Stack applies the policy per layer instead, from its `LayerRun`)."""
+    def loss(model, batch, rngs):
+        return nnx.remat(lambda m, r: call_loss(loss_fn, m, batch, r), policy=policy)(model, rngs)
 
-    return any(isinstance(module, Stack) for _, module in nnx.iter_modules(model))
+    return loss

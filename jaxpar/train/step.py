@@ -23,13 +23,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.errors import ConfigError, ModelError
-from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.pipeline import scope as pipeline_scope
-from jaxpar.pipeline.config import ONE_F_ONE_B
+from jaxpar.errors import ConfigError, ModelError, StateError
+from jaxpar.pipeline import split
+from jaxpar.pipeline.stack import splits_loss
 from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
 from jaxpar.train.model_errors import call_user
-from jaxpar.train.remat import has_stack
 
 LossFn = Callable[..., "tuple[jax.Array, dict[str, jax.Array]]"]
 
@@ -46,6 +44,17 @@ class TrainState(NamedTuple):
     strategy_state: Any = ()  # extra state a strategy keeps (per-replica parameters, stale versions, ...)
     key: Any = ()  # uint32 key data of the run's PRNG key (raw data, so checkpoints need no typed-key support)
     comm_state: Any = ()  # state of the averaging algorithm (e.g. error feedback of a compressed allreduce)
+
+
+def check_state(state) -> None:
+    """Refuses anything but a live `TrainState` (a donated one names the fix)."""
+    if not isinstance(state, TrainState):
+        raise StateError(f"state: got {type(state).__name__}; pass the TrainState from trainer.init or trainer.step")
+    # `step` donates the whole state at once, so its step counter tells (a walk of the parameters would cost every
+    # step)
+    if isinstance(state.step, jax.Array) and state.step.is_deleted():
+        raise StateError("state: its arrays were donated to an earlier call; `step` donates its state: use the state "
+                         "it returned (state, metrics = trainer.step(state, batch))")
 
 
 def split_model(model: nnx.Module):
@@ -143,17 +152,11 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
     """
     if accum > 1:
         return _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum)
-    scope = pipeline_scope.current()
-    if (scope is not None and scope.pipeline.schedule == ONE_F_ONE_B
-            and mesh_lib.size(scope.mesh, mesh_lib.STAGE_AXIS) > 1):
-        from jaxpar.pipeline import split  # 1F1B: the loss cut at the model's stack
-
-        return split.loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, scope)
-
     model = nnx.merge(graphdef, params, model_state)
+    if splits_loss(model):  # 1F1B: the loss cut at the model's stack (its LayerRun, bound by the trainer)
+        return split.loss_and_grad(graphdef, lambda m, b, k: call_loss(loss_fn, m, b, make_rngs(k)), params,
+                                   model_state, batch, key)
     forward = lambda m: call_loss(loss_fn, m, batch, make_rngs(key))  # noqa: E731
-    if scope is not None and scope.remat is not None and not has_stack(model):
-        forward = nnx.remat(forward, policy=scope.remat)  # no Stack to remat per layer: the whole forward
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
     # BatchNorm statistics) under differentiation; gradients are taken with respect to nnx.Param only.
     (loss, metrics), grads = nnx.value_and_grad(forward, has_aux=True)(model)

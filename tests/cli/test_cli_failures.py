@@ -25,7 +25,7 @@ from jaxpar.cli.batching import batch_sizes
 from jaxpar.cli.notes import run_notes
 from jaxpar.cli.strategies import from_config as strategy_from_config
 from jaxpar.io.metrics import JsonlFile, RunLogger
-from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.train.lr_schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from jaxpar.strategies.stragglers import parse_stragglers
 from tests.helpers import clock_times, child_env
 

@@ -72,7 +72,7 @@ def test_a_compiled_compressed_step_is_priced_with_the_codecs_bytes_and_uncounte
     trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress="powersgd:4"),
                           hardware=FAST_LINK)
     trainer.step(trainer.init(0), batch_for("mlp", 16))  # a step prices its compiled variant
-    cost = trainer.variant_cost("sync")
+    cost = trainer.pricer.cost("sync")
     from jaxpar.cost.hardware import compiled_cost, parse_hardware
     plain = compiled_cost(trainer.compiled_step("sync", batch_for("mlp", 16)), trainer.mesh,
                           parse_hardware(FAST_LINK))
@@ -84,7 +84,7 @@ def test_a_compiled_compressed_step_is_priced_with_the_codecs_bytes_and_uncounte
     f32 = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress="bf16"), hardware=SLOW_LINK)
     for t in (bf16, f32):
         t.step(t.init(0), batch_for("mlp", 16))
-    assert bf16.variant_cost("sync").comm == f32.variant_cost("sync").comm > 0
+    assert bf16.pricer.cost("sync").comm == f32.pricer.cost("sync").comm > 0
 
 
 def _sim_time(codec, hardware, steps=2):

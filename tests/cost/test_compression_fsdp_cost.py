@@ -93,7 +93,7 @@ def _sim_time(codec, hardware):
     strategy = jaxpar.Sync("psum", compress=codec) if codec else jaxpar.Sync("psum")
     trainer = trainer_for("mlp", "data=2,fsdp=4", strategy=strategy, hardware=hardware)
     state, _ = trainer.step(trainer.init(0), batch_for("mlp", 16))
-    return trainer.variant_cost("sync")
+    return trainer.pricer.cost("sync")
 
 
 def test_sim_time_of_the_compiled_leg_agrees_in_direction():

@@ -81,7 +81,7 @@ def test_torus2d_aligns_with_nodes_and_prices_as_the_hierarchical_allreduce():
     assert len(permutes) == 2 * 3 + 2 * 1
     elements = 64 * 32 + 32 + 32 * 10 + 10
     padded = 4 * (elements + -elements % 8)  # 9664 bytes
-    seconds = sum(collective_seconds(op, trainer.hardware) for op in permutes)
+    seconds = sum(collective_seconds(op, trainer.pricer.profile) for op in permutes)
     # X-rings inside a node (6 permutes of R/4), Y-ring between nodes (2 permutes of R/8, 4 devices per NIC)
     assert seconds == pytest.approx(hierarchical_allreduce_seconds(padded, 4, 2, INTRA, shared(INTER, 1, 4)))
     assert seconds == pytest.approx(6 * (1e-6 + padded / 4 / 100e9) + 2 * (1e-5 + padded / 8 / 2.5e9))
@@ -149,7 +149,7 @@ def test_explain_shows_the_overlap_term_before_the_equals_sign():
     trainer = trainer_for("mlp", "8", hardware=hardware)
     report = jaxpar.explain(trainer, batch_for("mlp", size=16))
     p = report["variants"]["sync"]["projected_seconds"]
-    cost = trainer.step_costs["sync"]
+    cost = trainer.pricer.costs["sync"]
     assert 0 < p["overlap"] == cost.overlap < p["communication"]
     assert p["step"] == pytest.approx(p["compute"] + p["communication"] - p["overlap"])
     text = jaxpar.format_explain(report)

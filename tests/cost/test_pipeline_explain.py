@@ -185,15 +185,15 @@ def test_the_cost_model_prices_every_tick(name):
     trainer, report = explained(name)
     compiled = trainer.compiled_step("sync", BATCH)
     ops = collective_ops(compiled, trainer.mesh)
-    cost = compiled_cost(compiled, trainer.mesh, trainer.hardware)
-    assert cost.comm == pytest.approx(sum(collective_seconds(op, trainer.hardware) for op in ops))
-    link = trainer.hardware.links["stage"]
+    cost = compiled_cost(compiled, trainer.mesh, trainer.pricer.profile)
+    assert cost.comm == pytest.approx(sum(collective_seconds(op, trainer.pricer.profile) for op in ops))
+    link = trainer.pricer.profile.links["stage"]
     ticks = tick_permutes(ops)
     runs = sum(op.runs for op in ticks)
     assert runs == (CASES[name][2] * 2)  # 2 permutes per tick (1F1B) or one per tick of 2 loops
-    tick_seconds = sum(collective_seconds(op, trainer.hardware) for op in ticks)
+    tick_seconds = sum(collective_seconds(op, trainer.pricer.profile) for op in ticks)
     assert tick_seconds == pytest.approx(runs * (link.alpha + A / link.bandwidth))
-    sustained = trainer.hardware.compute_flops  # compute is priced at the sustained FLOP/s
+    sustained = trainer.pricer.profile.compute_flops  # compute is priced at the sustained FLOP/s
     assert cost.compute == pytest.approx(loop_flops(compiled, step_flops(compiled)).per_device / sustained)
     assert report["variants"]["sync"]["projected_seconds"]["communication"] == pytest.approx(cost.comm)
 

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from jaxpar.pipeline import Pipeline, Stack
@@ -250,3 +251,39 @@ def test_pipeline_argument_is_checked():
         Pipeline("2f2b")
     with pytest.raises(jaxpar.ConfigError, match=r"repeats=2\) applies to schedule='circular' only"):
         Pipeline("gpipe", 4, repeats=2)
+
+
+class PlainNet(nnx.Module):
+    """A model as a new user first writes it: a Stack of plain `nnx.Linear` blocks, no logical names anywhere."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(8, 16, rngs=rngs)
+        self.blocks = Stack(lambda r: nnx.Linear(16, 16, rngs=r), 4, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.out(self.blocks(jax.nn.tanh(self.inp(x))))
+
+
+@pytest.mark.parametrize("pipeline", [Pipeline(), Pipeline("1f1b", 2)], ids=["gpipe", "1f1b"])
+def test_a_stack_of_plain_linear_blocks_pipelines_and_equals_the_unpipelined_run(pipeline):
+    def run(mesh):
+        trainer = jaxpar.Trainer(PlainNet, loss_fn, optax.adam(1e-2), jaxpar.make_mesh(mesh), pipeline=pipeline)
+        state, losses = trainer.init(0), []
+        for batch in batches():
+            state, metrics = trainer.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return trainer, (np.array(losses), trainer.params(state))
+
+    staged, got = run("data=2,stage=2")
+    specs = staged.state_shardings.params["blocks"]["layers"]
+    assert specs["kernel"].spec == P("stage", None, None) and specs["bias"].spec == P("stage", None)
+    assert_same(got, run("1x1")[1])
+
+
+@pytest.mark.parametrize("mesh, spec", [("fsdp=2", P(None, "fsdp", None)), ("stage=2,fsdp=2", P("stage", "fsdp", None))])
+def test_plain_blocks_keep_the_automatic_fsdp_split_beside_their_stage_split(mesh, spec):
+    trainer = jaxpar.Trainer(PlainNet, loss_fn, optax.sgd(0.1), jaxpar.make_mesh(mesh))
+    assert trainer.state_shardings.params["blocks"]["layers"]["kernel"].spec == spec  # [4, 16, 16]: the first 16
+    assert trainer.notes[0].startswith("the model names no parameter dimensions, so 6 of its 6 parameters are split "
+                                       "over fsdp")

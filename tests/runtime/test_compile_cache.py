@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+import jaxpar
 from jaxpar.runtime import compile_cache
 from tests.helpers import child_env
 
@@ -35,6 +38,15 @@ def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path):
     assert compile_cache.default_folder() == str(tmp_path / "home" / ".cache" / "jaxpar" / "xla")
     monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "mine"))
     assert compile_cache.default_folder() == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize("folder", [123, 1.5, ["/tmp/x"]])
+def test_a_folder_that_is_not_a_path_is_one_error_line(folder):
+    decided = list(compile_cache._decided)
+    with pytest.raises(jaxpar.ConfigError, match=r"^use_compile_cache\(.*\): not a folder; pass a path \(a str or "
+                                                 r"os.PathLike\), None to turn the cache off") as info:
+        jaxpar.use_compile_cache(folder)
+    assert "\n" not in str(info.value) and compile_cache._decided == decided  # nothing changed
 
 
 def test_a_run_fills_the_cache_and_a_second_run_reads_it(tmp_path):

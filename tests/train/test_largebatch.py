@@ -13,7 +13,7 @@ from flax import nnx
 import jaxpar
 import models
 from jaxpar.io import data
-from jaxpar.train.schedules import batch_size_fn, lr_schedule, parse_batch_ramp
+from jaxpar.train.lr_schedules import batch_size_fn, lr_schedule, parse_batch_ramp
 from models.layers import BatchNorm
 from models.losses import cross_entropy
 from tests.helpers import TINY, batch_for, trainer_for

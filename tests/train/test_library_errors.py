@@ -166,6 +166,21 @@ def test_model_factory_and_optimizer_arguments():
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), mesh, strategy=no_plan)
 
 
+def test_a_model_factory_that_raises_is_a_model_error_naming_it():
+    mesh, loss = jaxpar.make_mesh("8"), models.LOSSES["mlp"]
+    with raises(ModelError, r"^model <lambda>: the factory raised ZeroDivisionError: division by zero; it must build "
+                            r"the model, rngs -> nnx.Module") as info:
+        jaxpar.Trainer(lambda rngs: 1 / 0, loss, optax.sgd(0.1), mesh)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+    def make_model(rngs):
+        raise ValueError("width 7 is not even\nsecond line")
+
+    with raises(ModelError, r"^model make_model: the factory raised ValueError: width 7 is not even; ") as info:
+        jaxpar.Trainer(make_model, loss, optax.sgd(0.1), mesh)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 def test_bad_batches(mlp):
     state, good = mlp.init(0), batch_for("mlp")
     ragged = {"image": [[1.0, 2.0], [3.0]] * 8, "label": good["label"]}

@@ -18,19 +18,21 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.partitioning.specs import REPLICATED, entry_axes, from_entries
 
 
-def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None) -> P:
-    """The spec of a parameter without logical names: split over fsdp along its largest dimension that divides
-    (big_vision's rule), or whole when none does (listed in `notes`; a scalar has nothing to split)."""
-    entries: list[tuple[str, ...]] = [()] * len(shape)
+def fsdp_anywhere(shape, mesh: Mesh, where: str, notes=None, placed: P = REPLICATED) -> P:
+    """The spec of a parameter without logical names (`placed`: the spec of the dimensions it names, a stacked
+    block's layers): split over fsdp along its largest dimension that divides (big_vision's rule), or as placed when
+    none does (listed in `notes`; a scalar has nothing to split)."""
+    entries: list[tuple[str, ...]] = [(e,) if isinstance(e, str) else tuple(e or ()) for e in placed]
+    entries += [()] * (len(shape) - len(entries))
     if mesh_lib.size(mesh, mesh_lib.FSDP_AXIS) == 1:
-        return REPLICATED  # as for any parameter without names: nothing to split
+        return placed  # as for any parameter without names: nothing to split
     dim = place_elsewhere(entries, mesh_lib.axis_name(mesh, mesh_lib.FSDP_AXIS), mesh, shape)
     if notes is not None:
         if dim is not None:
             notes.fsdp_auto += 1
         elif len(shape):
             notes.whole.append((where, tuple(shape)))
-    return from_entries(entries, mesh) if dim is not None else REPLICATED
+    return from_entries(entries, mesh) if dim is not None else placed
 
 
 def place_elsewhere(entries, axis, mesh, shape) -> int | None:

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar.names import variable_name
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.partitioning.fsdp_placement import fsdp_anywhere
-from jaxpar.parallel.partitioning.rules import normalize_rules, spec_for
-from jaxpar.parallel.partitioning.specs import replicated
+from jaxpar.parallel.partitioning.rules import LAYERS, normalize_rules, spec_for
+from jaxpar.parallel.partitioning.specs import REPLICATED, replicated
 from jaxpar.parallel.partitioning.stages import check_stages
 from jaxpar.parallel.path_rules import MeshAxes, dimension_names, match, normalize_path_rules, rule_path
 from jaxpar.parallel.sharding_notes import ShardingNotes
@@ -75,13 +75,16 @@ def state_shardings(abstract_state, rules, mesh: Mesh, strict: bool = True, note
             found = match(by_path, rule_path(path[path_root:]))
             if found is not None:
                 rule, names = found.text, dimension_names(found, shape, where, mesh.axis_names)
+        # a Stack of blocks without names names only the layer dimension: the rest is as unnamed as before
+        layers_only = bool(names) and rule is None and names[0] == LAYERS and not any(names[1:])
         if notes is not None and is_param:
             notes.parameters += 1
-            if names:
+            if names and not layers_only:
                 notes.annotated += 1
                 notes.unruled.update(n for n in names if isinstance(n, str) and n not in ruled)
-        if is_param and not names and not strict and shape is not None:
-            spec = fsdp_anywhere(shape, mesh, where, notes)
+        if is_param and (not names or layers_only) and not strict and shape is not None:
+            placed = spec_for(names, rules, mesh, where, shape, strict, notes) if names else REPLICATED
+            spec = fsdp_anywhere(shape, mesh, where, notes, placed)
         else:
             spec = spec_for(names, rules, mesh, where, shape, strict, notes, rule)
         if is_param:
