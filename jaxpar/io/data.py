@@ -6,7 +6,6 @@ Sources (random access by example index, never downloaded):
   `.py` files in sorted order; split train / validation by interleaved blocks (every 20th held out), each part cut
   into windows of seq_len + 1 bytes. A run keeps the corpus on disk (`jaxpar.io.corpus`): a window's bytes are read
   when its batch is drawn, so a process reads only the windows of its own rows.
-- synthetic: seeded random images or tokens of any size, for benchmarks.
 
 `Batches` draws example indices from grain's shuffled, endlessly repeated index stream (a new permutation every
 epoch, a pure function of (seed, epoch)), so a batch is a pure function of its position in that stream: the
@@ -59,24 +58,6 @@ class TextWindows:
     def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         starts = np.asarray(indices)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         return {"tokens": self.tokens[starts].astype(np.int32)}
-
-
-class SyntheticSource:
-    """Seeded random examples (`kind` "image": 8x8x1 images + 10 labels; "tokens": byte sequences)."""
-
-    def __init__(self, kind: str = "image", size: int = 4096, seq_len: int = 128, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        if kind == "image":
-            self._source = ArraySource({"image": rng.random((size, 8, 8, 1), dtype=np.float32),
-                                        "label": rng.integers(0, 10, size).astype(np.int32)})
-        else:
-            self._source = TextWindows(rng.integers(0, 256, size * seq_len + 1).astype(np.uint8), seq_len)
-
-    def __len__(self):
-        return len(self._source)
-
-    def __getitem__(self, indices):
-        return self._source[indices]
 
 
 def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -79,12 +79,6 @@ def test_default_corpus_is_real_local_text_and_deterministic():
     assert b"def " in tokens.tobytes() or b"import" in tokens.tobytes()
 
 
-def test_synthetic_source_for_benchmarks():
-    images = data.SyntheticSource("image", size=64)
-    assert images[np.arange(4)]["image"].shape == (4, 8, 8, 1)
-    assert data.SyntheticSource("tokens", size=16, seq_len=32)[np.arange(2)]["tokens"].shape == (2, 33)
-
-
 def test_batches_load_only_the_rows_a_process_holds():
     full = data.Batches(source(100), 8, seed=3)
     part = data.Batches(source(100), 8, seed=3, rows=lambda size: np.array([2, 3, 6, 7]))
