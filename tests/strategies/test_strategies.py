@@ -200,11 +200,23 @@ def test_explicit_strategies_draw_different_dropout_masks_per_replica():
 
 
 def test_300_steps_of_ring_allreduce_through_the_real_loop():
-    trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=jaxpar.Sync("ring"))
+    """Trainer.fit (two steps in flight, donated states) with the hand-written ring over 8 replicas follows the
+    compiler's all-reduce step for step on the digits, and learns them."""
     from jaxpar.io import data
+
     train_split, _ = data.load_digits()
-    state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300)
-    assert int(state.step) == 300
+    runs = {}
+    for name, strategy in (("ring", jaxpar.Sync("ring")), ("compiler", jaxpar.Sync())):
+        trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=strategy)
+        losses = []
+        state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300,
+                            on_step=lambda step, metrics: losses.append(metrics["loss"]))
+        runs[name] = (int(state.step), np.array(losses), trainer.params(state))
+    (ring_steps, ring, ring_params), (steps, compiler, params) = runs["ring"], runs["compiler"]
+    assert ring_steps == steps == 300 and len(ring) == 300
+    np.testing.assert_allclose(ring, compiler, rtol=1e-3, atol=1e-4)
+    assert_same_adam_params(ring_params, params, 3e-3, 300)
+    assert ring[-20:].mean() < 0.25 * ring[:5].mean()  # it learns the digits
 
 
 @pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
@@ -229,11 +241,19 @@ def test_local_after_beyond_the_first_clock_window_plans_fine():
 
 
 def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refused():
+    # replica 3 at half speed: every other update applies its gradient one version old
     strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
     trainer = trainer_for("mlp", "4x2", strategy=strategy)
     assert strategy.buffer_size(4) == 2
-    strategy.plan(trainer.ctx, 100)  # plans past the horizon keep the compiled buffer size
+    assert strategy.plan(trainer.ctx, 101).host_metrics["staleness_max"] == 1  # past the horizon: the compiled buffer
     assert strategy.buffer_size(4) == 2
+    # a horizon of 1 update sees no staleness (buffer 1); update 1 reads a version 1 update old: refused
+    short = jaxpar.ASP(stragglers="3:2.0", horizon=1)
+    assert short.buffer_size(4) == 1
+    short.plan(trainer.ctx, 0)
+    with pytest.raises(jaxpar.JaxparError, match=r"^asp: update 1 needs a version 1 updates old but the buffer "
+                                                 r"holds 1; plan at least as many updates as you train \(horizon\)$"):
+        short.plan(trainer.ctx, 1)
 
 
 def test_local_sgd_replicas_stay_sharded_over_fsdp_and_model_inside_the_replica():
