@@ -83,6 +83,8 @@ BENCHMARKS = [
               "data=2,fsdp=2,model=2 against Sync() (full mode only; no training)"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
+    Benchmark("simulator", "simulator", [], ["--rounds", "1"], {True: 60, False: 120},
+              "the event simulator SSP / ASP plan with: seconds for 20,000 updates with stragglers and jitter"),
     Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},
               "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
 ]
