@@ -83,6 +83,7 @@ def test_a_mesh_the_model_does_not_divide_over_is_refused_with_its_reason():
     assert "not divisible by mesh axis 'model' of size 4" in result["refused"]["data=1,fsdp=1,model=4"]
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_the_flags_of_the_best_plans_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run.main(["--model", "mlp", "--plan", "--hardware", "a100-eth10", "--devices", "4"]) == 0
@@ -158,6 +159,7 @@ def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
     assert one["remat_mesh"] == two["remat_mesh"] and len(one["plans"]) > len(MESHES)
 
 
+@pytest.mark.slow
 def test_cli_plan_notes_a_profile_calibrated_on_another_model(tmp_path, capsys, monkeypatch):
     from jaxpar.cost.builtin_profiles import PROFILES
     from jaxpar.cost.profile_json import save_profile

@@ -73,6 +73,7 @@ def test_the_measurements_run_on_the_devices():
         assert 0 < seconds < 1.0, kind
 
 
+@pytest.mark.slow
 def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     out = tmp_path / "machine.json"
     code = cli.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,65536", "--matmul-sizes", "64",
@@ -106,6 +107,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(argv, needle, capsys):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.slow
 def test_across_two_processes_the_axis_between_them_is_told_apart(tmp_path):
     out = tmp_path / "two.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}

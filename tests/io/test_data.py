@@ -239,6 +239,7 @@ def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_on
     assert half.source.tokens.corpus.bytes_read == 4 * 17
 
 
+@pytest.mark.slow
 def test_two_processes_draw_the_rows_of_the_one_process_batches_reading_half_the_bytes(tmp_path):
     # 2 processes x 1 CPU device (tests/distributed_data.py) against this process drawing every row
     from jaxpar.cli.build import datasets

@@ -54,6 +54,7 @@ def test_tokens_per_second_is_recorded_for_a_language_model(tmp_path):
         RunLogger(1, 8, 1, progress="fancy")
 
 
+@pytest.mark.slow
 def test_tensorboard_event_files_hold_every_logged_number(tmp_path, capsys):
     import run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -123,6 +124,7 @@ def test_flops_per_second_and_utilisation_are_recorded(tmp_path, monkeypatch):
     assert 1.0 <= records[2]["flops_per_sec"] / (matmuls / 0.5) <= 1.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [[], ["--strategy", "local_sgd", "--sync-period", "2"],
                                       ["--strategy", "diloco", "--sync-period", "2"],
                                       ["--strategy", "ssp", "--stragglers", "1:2.0"],

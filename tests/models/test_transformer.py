@@ -371,6 +371,7 @@ def test_a_checkpoint_of_the_unstacked_model_does_not_restore_into_the_llama_blo
         Checkpointer(str(tmp_path / "old")).restore(trainer_for("1x1", LLAMA, optimizer=optax.adamw(1e-2)))
 
 
+@pytest.mark.slow
 def test_the_cli_trains_the_llama_and_the_gpt_block(tmp_path):
     """Each block through run.py: the metrics file records the chosen block, a loss every step that falls on a
     repetitive text, and the held-out evaluation."""

@@ -267,6 +267,7 @@ def test_a_bad_codec_with_local_sgd_is_one_line(capsys):
         jaxpar.LocalSGD(compress="int4")
 
 
+@pytest.mark.slow
 def test_local_sgd_compresses_without_an_explicit_allreduce(capsys):
     """Its meetings are always a hand-written exchange (psum by default), so unlike Sync() there is one to wrap."""
     assert isinstance(jaxpar.DiLoCo(compress="int8").communicator, cz.CompressedCommunicator)

@@ -280,6 +280,7 @@ def test_run_py_mlp_on_a_stage_mesh_is_one_line_and_exit_2(capsys):
     assert err == f"run.py: error: {NO_STACK}\n"
 
 
+@pytest.mark.slow
 def test_run_py_in_a_fresh_process():
     done = subprocess.run([sys.executable, "run.py", "--model", "mlp", "--mesh", "stage=2", "--steps", "1"], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=120)
