@@ -231,6 +231,7 @@ def test_dropout_draws_from_call_time_rngs_and_follows_the_seed_on_every_mesh():
     np.testing.assert_allclose(losses, reference, rtol=RTOL, err_msg="2x4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_dropout_on_a_stage_mesh_equals_1x1_with_the_same_microbatches(schedule):
     """On data=2,stage=2,model=2 the vocabulary is tensor-parallel: 1F1B's head on the last stage once crashed XLA's

@@ -199,6 +199,7 @@ def test_compress_none_is_todays_sync_bit_for_bit():
                for x, y in zip(jax.tree.leaves(start.params), jax.tree.leaves(params))) > 1e-3  # it moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,algorithm", [("8", "psum"), ("2x4", "ring")])
 @pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
 def test_a_compressed_sync_run_trains(mesh, algorithm, codec):

@@ -137,6 +137,7 @@ def test_powersgd_at_full_rank_meets_like_the_uncompressed_meeting():
         np.testing.assert_allclose(got + r0.mean(0) - r1.mean(0), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
 def test_diloco_with_a_codec_trains_and_its_replicas_restart_identical(codec):
     _, plain = run_steps(trainer_for("mlp", "2x4", strategy=jaxpar.DiLoCo(period=2)), 8, same_batch=True)
@@ -228,6 +229,7 @@ def test_residuals_restore_onto_another_replica_count_averaged(tmp_path):
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,codec", [("psum", "bf16"), ("psum", "fp16"), ("psum", "int8"),
                                              ("psum", "powersgd:2"), ("ring", "bf16"), ("ring", "int8")])
 def test_compiled_meeting_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):

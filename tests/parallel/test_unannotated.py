@@ -127,6 +127,7 @@ def specs(state):
     return {"/".join(str(k.key) for k in path[1:] if hasattr(k, "key")): x.sharding.spec for path, x in flat}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_unannotated_linen_model_is_split_over_fsdp_and_trains_like_one_device(name):
     trainer = linen_trainer(MODELS[name](), "fsdp=8")
@@ -166,6 +167,7 @@ VIT_TENSOR_PARALLEL = [
 ]
 
 
+@pytest.mark.slow
 def test_path_rules_make_an_unannotated_linen_model_tensor_parallel():
     trainer = linen_trainer(ViT(), "2x4", path_rules=VIT_TENSOR_PARALLEL)
     state, tp_losses = losses(trainer)

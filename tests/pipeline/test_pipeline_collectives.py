@@ -34,6 +34,7 @@ def data_all_reduces(mesh, pipeline, rate=0.0):
     return [op for op in ops if op.kind == "all-reduce" and "data" in (op.axes or ())], held_bytes(trainer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, pipeline", [
     ("data=2,stage=2", Pipeline("gpipe", 4)),
     ("data=2,stage=2", Pipeline("1f1b", 4)),

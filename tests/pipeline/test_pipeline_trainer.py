@@ -84,6 +84,7 @@ SCHEDULES = [Pipeline("gpipe", 4), Pipeline("circular", 4, repeats=2), Pipeline(
 MESHES = ["stage=2", "stage=4", "data=2,stage=2,model=2", "data=2,stage=2,fsdp=2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("pipeline", SCHEDULES, ids=lambda p: p.schedule)
 def test_pipelined_training_equals_the_unpipelined_stack_with_dropout(mesh, pipeline):
@@ -92,6 +93,7 @@ def test_pipelined_training_equals_the_unpipelined_stack_with_dropout(mesh, pipe
     assert_same(train(mesh, pipeline), reference(4, 0.2))
 
 
+@pytest.mark.slow
 def test_circular_with_two_repeats_on_four_stages_equals_the_unpipelined_stack():
     assert_same(train("stage=4", Pipeline("circular", 4, repeats=2), layers=8),
                 train("1x1", Pipeline(microbatches=4), layers=8))
@@ -106,6 +108,7 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1),
                                       jaxpar.ASP()],
                          ids=lambda s: type(s).__name__)
@@ -114,6 +117,7 @@ def test_the_pipeline_runs_inside_each_replica_of_the_explicit_strategies(strate
                 reference(4, 0.2, strategy, mesh="data=2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allreduce, mesh", [("psum", "data=2,stage=2,model=2"), ("ring", "data=2,stage=2,fsdp=2"),
                                              ("torus2d", "data=4,stage=2"), ("ps", "data=2,stage=4")])
 def test_the_pipeline_runs_under_every_explicit_allreduce(allreduce, mesh):

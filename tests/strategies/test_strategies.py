@@ -32,26 +32,39 @@ def assert_same_params(a, b, atol=ATOL):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=ATOL), a, b)
 
 
+_SYNC_RUNS = {}
+
+
+def sync_reference(mesh, model="mlp"):
+    """(parameters on the host, history) of 5 Sync() steps, run once per (mesh, model) in this test process: the
+    reference several tests compare with."""
+    if (mesh, model) not in _SYNC_RUNS:
+        trainer, state, history = train(jaxpar.Sync(), mesh, model)
+        _SYNC_RUNS[mesh, model] = jax.device_get(trainer.params(state)), history
+    return _SYNC_RUNS[mesh, model]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, model", [("2x4", "mlp"), ("8x1", "mlp"), ("2x4", "transformer"),
                                          ("data=2,fsdp=2,model=2", "mlp")])
 def test_every_allreduce_algorithm_trains_exactly_like_the_compiler_allreduce(mesh, model):
-    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh, model)
-    expected = reference_trainer.params(reference_state)
+    expected, reference = sync_reference(mesh, model)
     for algorithm in ("psum", "ring", "torus2d", "ps"):
         trainer, state, history = train(jaxpar.Sync(algorithm), mesh, model)
         np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
         assert_same_params(trainer.params(state), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=1), jaxpar.DiLoCo(period=1, outer_optimizer=optax.sgd(1.0)),
                                       jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=4, local_after=5)],
                          ids=["local_sgd_H1", "diloco_H1_outer_sgd1", "ssp_S0", "post_local_sync_phase"])
 @pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
 def test_strategies_at_their_limit_equal_sync_sgd(strategy, mesh):
-    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh)
+    expected, reference = sync_reference(mesh)
     trainer, state, history = train(strategy, mesh)
     np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
-    assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
+    assert_same_params(trainer.params(state), expected)
 
 
 def assert_same_adam_params(a, b, lr, steps):
@@ -199,6 +212,7 @@ def test_explicit_strategies_draw_different_dropout_masks_per_replica():
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_300_steps_of_ring_allreduce_through_the_real_loop():
     """Trainer.fit (two steps in flight, donated states) with the hand-written ring over 8 replicas follows the
     compiler's all-reduce step for step on the digits, and learns them."""
@@ -219,6 +233,7 @@ def test_300_steps_of_ring_allreduce_through_the_real_loop():
     assert ring[-20:].mean() < 0.25 * ring[:5].mean()  # it learns the digits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
 def test_hand_written_allreduce_with_tensor_parallelism_sends_only_the_local_model_shard(mesh):
     """Each device holds 1/4 of a sharded gradient (over model, or fsdp x model); the ring over the replica axis

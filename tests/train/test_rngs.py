@@ -52,6 +52,7 @@ def test_loss_fn_forms_are_recognised():
     assert not takes_rngs(lambda model, batch, label_smoothing=0.1: 0)  # a third argument with a default
 
 
+@pytest.mark.slow
 def test_call_time_dropout_is_identical_on_every_mesh():
     trainer, state, reference = train("1x1")
     expected = trainer.params(state)
