@@ -48,6 +48,7 @@ def test_gradients_are_averaged_over_data_once_per_step(mesh, pipeline):
     assert ops[0].bytes == held + SCALARS, (ops[0].bytes, held)
 
 
+@pytest.mark.slow
 def test_with_dropout_the_average_is_still_once_per_step():
     """Dropout is drawn per row (so a stage map manual over data draws the masks of its own rows): no collective
     for it."""

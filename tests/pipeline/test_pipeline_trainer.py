@@ -128,6 +128,7 @@ def test_the_pipeline_runs_under_every_explicit_allreduce(allreduce, mesh):
                       strategy=strategy), reference(4, 0.0))
 
 
+@pytest.mark.slow
 def test_pipelining_composes_with_gradient_accumulation():
     assert_same(train("data=2,stage=4", Pipeline("1f1b", 2), grad_accum=2), reference(2, 0.2, grad_accum=2))
 
@@ -183,6 +184,7 @@ def test_1f1b_refuses_a_stack_called_twice_per_step():
     np.testing.assert_allclose(float(gpipe.step(gpipe.init(0), batches(1)[0])[1]["loss"]), want, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
     """Layers after the stack run per microbatch under 1F1B: each microbatch gets its own streams (one key for all
     once repeated one mask on every microbatch)."""
