@@ -253,6 +253,7 @@ def test_a_codec_is_timed_on_the_devices():
     assert timed["powersgd:4"]["flops_per_element"] == 6 * 4 + 2 + 4 * 4 ** 2 / 512  # 6R + 2 + the QR's 4R^2/m
 
 
+@pytest.mark.slow
 def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_measured():
     """The reference runs are timed by a fake machine whose step costs exactly fixed + P / u + C: the calibration
     recovers u and the fixed cost, and the profile it writes projects the reference's measured time."""
@@ -283,6 +284,7 @@ def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_mea
     assert math.isclose(priced.launch + compute + comm, seen[2], rel_tol=1e-6)  # the reference at 64, projected back
 
 
+@pytest.mark.slow
 def test_a_reference_batch_larger_than_the_dataset_is_timed_on_synthetic_batches():
     """--model mlp --batch-size 256: the reference reaches 16 x 256 = 4,096 rows, more than the 1,497 of the digits
     training split; the batches are synthetic, of the model's shapes, so every size is measured."""

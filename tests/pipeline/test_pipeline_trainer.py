@@ -271,6 +271,7 @@ class PlainNet(nnx.Module):
         return self.out(self.blocks(jax.nn.tanh(self.inp(x))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [Pipeline(), Pipeline("1f1b", 2)], ids=["gpipe", "1f1b"])
 def test_a_stack_of_plain_linear_blocks_pipelines_and_equals_the_unpipelined_run(pipeline):
     def run(mesh):
