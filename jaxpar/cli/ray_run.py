@@ -77,6 +77,8 @@ def train_on_ray(config) -> dict:
               config.steps, seed=config.seed, grad_accum=config.grad_accum,
               skip_nonfinite=config.on_nonfinite == "skip", rules=config.rules, ray_address=config.ray_address,
               max_restarts=config.max_restarts or 0, run_dir=run_dir, on_progress=progress,
+              checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
+              resume=config.resume is not None,
               progress_every=2.0)
     records = [{"step": r["version"], "loss": r["loss"], "wall_time": r["wall"], "staleness_mean": r["staleness_mean"],
                 "staleness_max": r["staleness_max"], "contributors": r["contributors"]} for r in out.records]

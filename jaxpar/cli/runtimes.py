@@ -15,7 +15,7 @@ RAY_ONLY = ("ray_address", "max_restarts")  # options that apply only with --run
 RAY_UNSUPPORTED = {"allreduce": (None,), "torus": (None,), "compress": (None, "none"), "local_after": (None, 0),
                    "hardware": (None,), "profile": (None,), "batch_ramp": (None,), "tensorboard": (None,),
                    "coordinator": (None,), "num_processes": (None,), "process_id": (None,), "plan": (False,),
-                   "eval_every": (0,), "checkpoint_dir": (None,), "resume": (None,), "bn": (None, "local")}
+                   "eval_every": (0,), "bn": (None, "local")}
 
 
 def check_runtime(config) -> None:

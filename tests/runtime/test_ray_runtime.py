@@ -130,3 +130,26 @@ def test_an_unreachable_address_is_said_quickly():
     with pytest.raises(jaxpar.OptionError, match="ray_address='127.0.0.1:1': nothing answers there"):
         check_address("127.0.0.1:1")
     assert time.time() - started < 30
+
+
+@pytest.mark.slow
+def test_a_killed_server_ends_the_run_in_one_line_and_resumes_exactly(ray_instance, tmp_path):
+    folder = str(tmp_path / "server")
+
+    def kill_server(progress, done=[]):
+        if not done and progress["version"] >= 4:
+            done.append(os.kill(int(open(tmp_path / "server.pid").read()), signal.SIGKILL))
+
+    def slow_batches(worker, workers, seq):
+        time.sleep(0.1)
+        return batches(worker, workers, seq)
+
+    died = r"^the parameter server died \(noticed at: [a-z ]+\); the run stops here"
+    with pytest.raises(jaxpar.JaxparError, match=died):
+        run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), slow_batches, 8, checkpoint_dir=folder,
+            checkpoint_every=2, on_progress=kill_server, progress_every=0.2, run_dir=str(tmp_path))
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), batches, 8, checkpoint_dir=folder,
+              checkpoint_every=2, resume=True)
+    assert out.resumed_at in (4, 6) and out.version == 8
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(8)]
+    assert_close(out.params, emulated(jaxpar.Sync(), same))

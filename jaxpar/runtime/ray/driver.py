@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple
 
 from jaxpar.errors import JaxparError
 from jaxpar.runtime.ray import connect
+from jaxpar.runtime.ray.checkpoint import ServerCheckpoint
 from jaxpar.runtime.ray.schedule import Delivery
 from jaxpar.runtime.ray.server import ParameterServer
 from jaxpar.runtime.ray.spec import make_spec
@@ -26,19 +27,26 @@ class RayRun(NamedTuple):
     duplicates: int  # pushes the server refused as already taken
     restarts: dict  # worker -> times it was restarted
     run_dir: str  # server.jsonl and worker-<i>.jsonl
+    resumed_at: int  # the version a resumed run started at (0: fresh)
 
 
 def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: Callable, steps: int, *,
         seed: int = 0, grad_accum: int = 1, skip_nonfinite: bool = True, rules=None, ray_address: str | None = None,
-        num_cpus: int | None = None, max_restarts: int = 0, run_dir: str | None = None, checkpoint=None,
+        num_cpus: int | None = None, max_restarts: int = 0, run_dir: str | None = None,
+        checkpoint_dir: str | None = None, checkpoint_every: int = 100, resume: bool = False,
         on_progress: Callable[[dict], Any] | None = None, progress_every: float = 1.0) -> RayRun:
     """Trains on Ray: each index of `mesh`'s data axis is a worker process with its own Trainer on the other axes,
     and a parameter server applies their gradients by `strategy`'s rule (Sync: BSP; SSP(S); ASP; LocalSGD /
     DiLoCo: a change every H local steps, merged when it arrives). `batches(worker, num_workers, seq)` -> that
     worker's batch number `seq`; `steps` = server updates. Raises JaxparError for a bad argument, a worker whose
-    model fails (its error as one line), or a server that dies."""
+    model fails (its error as one line), or a server that dies. `checkpoint_dir`: the server's state saved with
+    orbax every `checkpoint_every` versions; `resume` continues from the latest there."""
     spec = make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps, seed=seed, grad_accum=grad_accum,
                      skip_nonfinite=skip_nonfinite, rules=rules)
+    checkpoint = None
+    if checkpoint_dir:
+        checkpoint = ServerCheckpoint(checkpoint_dir, checkpoint_every, resume)
+        checkpoint.check()
     run_dir = run_dir or tempfile.mkdtemp(prefix="jaxpar-ray-")
     os.makedirs(run_dir, exist_ok=True)
     started = connect.start(ray_address, num_cpus)
@@ -65,15 +73,16 @@ def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: 
     records = out["records"]
     seconds = records[-1]["wall"] - records[0]["wall"] if len(records) > 1 else 0.0
     schedule = [[Delivery(*d) for d in update] for update in out["schedule"]]
-    return RayRun(out["params"], out["version"], schedule, records, seconds, out["duplicates"], restarts, run_dir)
+    return RayRun(out["params"], out["version"], schedule, records, seconds, out["duplicates"], restarts, run_dir,
+                  out["resumed_at"])
 
 
 def _call(ray, ref, what: str):
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError:
-        raise JaxparError(f"the parameter server died ({what}); the run stops here (with a checkpoint folder, "
-                          f"resume continues at its last saved version)") from None
+        raise JaxparError(f"the parameter server died (noticed at: {what}); the run stops here; with a "
+                          f"checkpoint_dir, resume continues at its last saved version") from None
 
 
 def _prepare(ray, workers) -> None:
@@ -103,9 +112,13 @@ def _watch(ray, server, workers, max_restarts: int, on_progress, every: float) -
                     raise JaxparError(f"every worker has died (worker {worker} last, after {restarts[worker]} "
                                       f"restarts); raise max_restarts to let Ray restart them") from None
                 continue
+            if "server_died" in out:
+                _call(ray, server.progress.remote(), "seen by a worker")
             if "error" in out:
                 raise JaxparError(f"worker {worker}: {out['error']}")
-        if on_progress is not None and time.time() - last >= every:
+        if time.time() - last >= every:  # asked even without a reader: a dead server is noticed here
             last = time.time()
-            on_progress(_call(ray, server.progress.remote(), "progress"))
+            progress = _call(ray, server.progress.remote(), "progress")
+            if on_progress is not None:
+                on_progress(progress)
     return restarts

@@ -42,23 +42,30 @@ class ParameterServer:
         self.schedule: list[list[Delivery]] = []
         self.records: list[dict] = []
         self.duplicates, self.stop = 0, spec.steps <= 0
+        self.resumed_at = 0
         if checkpoint is not None:
             restored = checkpoint.restore(self)
             if restored is not None:
                 self._restore(restored)
+                self.resumed_at = self.version
         self._leaves = leaves_of(self.params)
         self._file = open(os.path.join(run_dir, "server.jsonl"), "a") if run_dir else None
+        if run_dir:  # for an operator (and the tests): which process holds the parameters
+            with open(os.path.join(run_dir, "server.pid"), "w") as handle:
+                handle.write(str(os.getpid()))
 
     def _restore(self, saved: dict) -> None:
         self.params = jax.tree.unflatten(self._treedef, saved["params"])
         self.opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_state), saved["opt_state"])
         self.version = int(saved["version"])
-        self.delivered = {int(w): int(s) for w, s in enumerate(saved["delivered"]) if s >= 0}
+        self.delivered = {w: int(seq) for w, seq in enumerate(saved["delivered"]) if seq >= 0}
         self.stop = self.version >= self.spec.steps
 
     # --- what workers call ---------------------------------------------------------------------------------------
     async def join(self, worker: int):
         """(version, parameter leaves, the seq to continue at, stop) for a worker that starts or rejoins."""
+        if not self.alive and not self.schedule:
+            self.started = time.time()  # the clock starts when the first (compiled) worker joins
         self.alive.add(worker)
         self.computing.add(worker)
         self.read_of[worker] = self.version
@@ -83,6 +90,9 @@ class ParameterServer:
         self.computing.discard(worker)
         self._maybe_apply()
 
+    async def pid(self) -> int:
+        return os.getpid()
+
     async def progress(self) -> dict:
         recent = self.records[-20:]
         return {"version": self.version, "wall": time.time() - self.started, "alive": sorted(self.alive),
@@ -99,7 +109,7 @@ class ParameterServer:
         params = jax.tree.map(np.asarray, nnx.to_pure_dict(jax.device_get(self.params)))
         return {"params": params, "leaves": self._leaves, "version": self.version, "duplicates": self.duplicates,
                 "schedule": [[tuple(d) for d in update] for update in self.schedule], "records": self.records,
-                "delivered": dict(self.delivered)}
+                "delivered": dict(self.delivered), "resumed_at": self.resumed_at}
 
     # --- the update ----------------------------------------------------------------------------------------------
     def _maybe_apply(self) -> None:

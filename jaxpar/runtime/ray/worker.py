@@ -44,8 +44,12 @@ class ReplicaWorker:
         return self._guarded(self._run)
 
     def _guarded(self, fn) -> dict:
+        import ray
+
         try:
             return fn()
+        except ray.exceptions.RayActorError:  # the server died: the driver says so
+            return {"worker": self.worker, "server_died": True}
         except Exception as error:  # noqa: BLE001  (one line back to the driver, whatever the user's code raised)
             return {"worker": self.worker, "error": one_line(error)}
 
