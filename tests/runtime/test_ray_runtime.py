@@ -153,3 +153,27 @@ def test_a_killed_server_ends_the_run_in_one_line_and_resumes_exactly(ray_instan
     assert out.resumed_at in (4, 6) and out.version == 8
     same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(8)]
     assert_close(out.params, emulated(jaxpar.Sync(), same))
+
+
+@pytest.mark.slow
+def test_asynchronous_diloco_across_two_workers_of_two_devices(ray_instance, tmp_path):
+    from jaxpar.runtime.ray.outer import delayed_nesterov
+
+    strategy = jaxpar.DiLoCo(2, delayed_nesterov(0.7, 0.9, delay=2), stragglers="1:2.0")
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2,model=2", strategy, batches, 6, run_dir=str(tmp_path))
+    assert out.version == 6 and all(r["contributors"] == 1 for r in out.records)  # merged as each change arrives
+    first = [r["loss"] for r in out.records[:2]]
+    assert np.isfinite([r["loss"] for r in out.records]).all() and out.records[-1]["loss"] < max(first)
+    assert {d.worker for update in out.schedule for d in update} == {0, 1}
+
+
+def test_delayed_nesterov_with_delay_1_is_nesterov_sgd():
+    from jaxpar.runtime.ray.outer import delayed_nesterov
+
+    params = {"w": np.ones(3, np.float32)}
+    mine, theirs = delayed_nesterov(0.5, 0.9, 1), optax.sgd(0.5, momentum=0.9, nesterov=True)
+    a, b = mine.init(params), theirs.init(params)
+    for g in (1.0, -2.0, 0.5):
+        grads = {"w": np.full(3, g, np.float32)}
+        (ua, a), (ub, b) = mine.update(grads, a), theirs.update(grads, b)
+        np.testing.assert_allclose(ua["w"], ub["w"], rtol=1e-6)
