@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxpar.cli.options import shown
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import parse_mesh_spec
+from jaxpar.strategies import BN_LOCAL
 
 RUNTIMES = ("emulated", "ray")
 RAY = "ray"
@@ -15,7 +16,7 @@ RAY_ONLY = ("ray_address", "max_restarts")  # options that apply only with --run
 RAY_UNSUPPORTED = {"allreduce": (None,), "torus": (None,), "compress": (None, "none"), "local_after": (None, 0),
                    "hardware": (None,), "profile": (None,), "batch_ramp": (None,), "tensorboard": (None,),
                    "coordinator": (None,), "num_processes": (None,), "process_id": (None,), "plan": (False,),
-                   "eval_every": (0,), "bn": (None, "local")}
+                   "eval_every": (0,), "bn": (None, BN_LOCAL)}
 
 
 def check_runtime(config) -> None:

@@ -27,7 +27,7 @@ def ray_module():
 
 def check_address(address: str) -> None:
     """A HOST:PORT address must answer within CONNECT_TIMEOUT_S (Ray itself would wait far longer)."""
-    if address in ("auto", "local") or "://" in address:
+    if address == "auto" or "://" in address:
         return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

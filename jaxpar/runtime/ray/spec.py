@@ -36,7 +36,7 @@ class RunSpec:
     grad_accum: int = 1
     skip_nonfinite: bool = True
     rules: Any = None
-    strategy_name: str = "asp"
+    strategy_name: str = ""
 
     @property
     def num_workers(self) -> int:
