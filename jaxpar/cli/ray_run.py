@@ -1,7 +1,8 @@
 """`python run.py --runtime ray`: the config's model, loss, optimizer, strategy and data handed to
 `jaxpar.runtime.ray.run` (each data-axis index a worker process, a parameter server), its progress as versions per
-second and staleness, its records as the --metrics JSONL (`step` = server version, `wall_time` in seconds), and
-`--explain`'s account of the workers, their devices and the bytes each push and pull moves."""
+second and staleness, its records as the --metrics JSONL (`step` = server version, `wall_time` in seconds) and
+--tensorboard scalars, and `--explain`'s account of the workers, their devices and the bytes each push and pull
+moves."""
 
 from __future__ import annotations
 
@@ -63,11 +64,12 @@ def train_on_ray(config) -> dict:
           f"{'s' * (devices > 1)} each (mesh {config.mesh}) and a parameter server; global batch "
           f"{config.batch_size} ({config.batch_size // workers} per worker); strategy {config.strategy}; "
           f"{config.steps} server updates", flush=True)
-    last = {"version": 0, "at": time.time()}
+    last = {}
 
-    def progress(p):
+    def progress(p):  # versions per second since the last line (the first: since the first update's clock)
         now = time.time()
-        rate = (p["version"] - last["version"]) / max(now - last["at"], 1e-9)
+        rate = ((p["version"] - last["version"]) / max(now - last["at"], 1e-9) if last
+                else p["version"] / max(p["wall"], 1e-9))
         last.update(version=p["version"], at=now)
         print(f"version {p['version']}/{config.steps}  {rate:.1f} versions/s  loss {p['loss']:.4g}  staleness mean "
               f"{p['staleness_mean']:.2f} max {p['staleness_max']}  workers {len(p['alive'])}", flush=True)
@@ -82,10 +84,18 @@ def train_on_ray(config) -> dict:
               progress_every=2.0)
     records = [{"step": r["version"], "loss": r["loss"], "wall_time": r["wall"], "staleness_mean": r["staleness_mean"],
                 "staleness_max": r["staleness_max"], "contributors": r["contributors"]} for r in out.records]
+    written = [{**config.to_record(), "runtime_dir": out.run_dir}] + records
     if config.metrics:
         with open(config.metrics, "w", encoding="utf-8") as handle:
-            for record in [{**config.to_record(), "runtime_dir": out.run_dir}] + records:
+            for record in written:
                 handle.write(json.dumps(record) + "\n")
+    if config.tensorboard:
+        from jaxpar.io.tensorboard import TensorBoardFile
+
+        board = TensorBoardFile(config.tensorboard)
+        for record in written:
+            board.write(record)
+        board.close()
     stale = [r["staleness_max"] for r in out.records]
     print(f"jaxpar: {out.version} versions in {out.seconds:.1f}s ({out.version / max(out.seconds, 1e-9):.1f} "
           f"versions/s); final loss {records[-1]['loss']:.4g}; staleness max {max(stale)}; worker restarts "

@@ -14,7 +14,7 @@ RAY = "ray"
 RAY_ONLY = ("ray_address", "max_restarts")  # options that apply only with --runtime ray
 # options a ray run cannot honour -> the values that mean "not used"
 RAY_UNSUPPORTED = {"allreduce": (None,), "torus": (None,), "compress": (None, "none"), "local_after": (None, 0),
-                   "hardware": (None,), "profile": (None,), "batch_ramp": (None,), "tensorboard": (None,),
+                   "hardware": (None,), "profile": (None,), "batch_ramp": (None,),
                    "coordinator": (None,), "num_processes": (None,), "process_id": (None,), "plan": (False,),
                    "eval_every": (0,), "bn": (None, BN_LOCAL)}
 

@@ -3,6 +3,7 @@ says the workers, their devices, the bytes per push and pull and the emulator's 
 (slow: it starts a local Ray instance)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,10 +45,11 @@ def test_explain_shows_workers_devices_and_bytes(capsys):
 def test_a_short_asp_run_on_ray_trains_and_writes_its_records(tmp_path):
     metrics = tmp_path / "run.jsonl"
     done = subprocess.run([sys.executable, "run.py", *ASP, "--mesh", "data=2", "--steps", "8", "--metrics",
-                           str(metrics), "--stragglers", "1:2.0"], capture_output=True, text=True, env=child_env(),
+                           str(metrics), "--stragglers", "1:2.0", "--tensorboard", str(tmp_path / "tb")], capture_output=True, text=True, env=child_env(),
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[0]["runtime"] == "ray" and [r["step"] for r in records[1:]] == list(range(1, 9))
     assert all("wall_time" in r and "staleness_max" in r for r in records[1:])
     assert (tmp_path / "run-ray" / "worker-1.jsonl").exists() and "versions/s" in done.stdout
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))

@@ -6,6 +6,7 @@ One local Ray instance for the whole module (2 CPUs), tiny MLPs, a few updates."
 import math
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -121,6 +122,14 @@ def test_bad_runs_are_refused_before_ray_starts():
         run(Tiny, loss, optax.sgd(0.1), "data=2", jaxpar.LocalSGD(2, local_after=3), batches, 3)
     with pytest.raises(jaxpar.ConfigError, match="compression is not supported"):
         run(Tiny, loss, optax.sgd(0.1), "data=2", jaxpar.Sync(allreduce="psum", compress="bf16"), batches, 3)
+
+
+def test_without_ray_the_extra_to_install_is_named(monkeypatch):
+    from jaxpar.runtime.ray.connect import ray_module
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(jaxpar.ConfigError, match=r"needs Ray, which is not installed; pip install 'jaxpar\[ray\]'"):
+        ray_module()
 
 
 def test_an_unreachable_address_is_said_quickly():
