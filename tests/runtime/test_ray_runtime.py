@@ -176,6 +176,14 @@ def test_asynchronous_diloco_across_two_workers_of_two_devices(ray_instance, tmp
     assert {d.worker for update in out.schedule for d in update} == {0, 1}
 
 
+@pytest.mark.slow
+def test_local_sgd_meeting_on_the_runtime_is_the_emulated_local_sgd(ray_instance):
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.LocalSGD(2), batches, 3, asynchronous_local=False)
+    assert all(r["contributors"] == 2 for r in out.records)
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(6)]
+    assert_close(out.params, emulated(jaxpar.LocalSGD(2), same))
+
+
 def test_delayed_nesterov_with_delay_1_is_nesterov_sgd():
     from jaxpar.runtime.ray.outer import delayed_nesterov
 

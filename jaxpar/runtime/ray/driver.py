@@ -34,15 +34,17 @@ def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: 
         seed: int = 0, grad_accum: int = 1, skip_nonfinite: bool = True, rules=None, ray_address: str | None = None,
         num_cpus: int | None = None, max_restarts: int = 0, run_dir: str | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 100, resume: bool = False,
-        on_progress: Callable[[dict], Any] | None = None, progress_every: float = 1.0) -> RayRun:
+        on_progress: Callable[[dict], Any] | None = None, progress_every: float = 1.0,
+        asynchronous_local: bool = True) -> RayRun:
     """Trains on Ray: each index of `mesh`'s data axis is a worker process with its own Trainer on the other axes,
     and a parameter server applies their gradients by `strategy`'s rule (Sync: BSP; SSP(S); ASP; LocalSGD /
     DiLoCo: a change every H local steps, merged when it arrives). `batches(worker, num_workers, seq)` -> that
     worker's batch number `seq`; `steps` = server updates. Raises JaxparError for a bad argument, a worker whose
     model fails (its error as one line), or a server that dies. `checkpoint_dir`: the server's state saved with
-    orbax every `checkpoint_every` versions; `resume` continues from the latest there."""
+    orbax every `checkpoint_every` versions; `resume` continues from the latest there. `asynchronous_local` False:
+    local SGD / DiLoCo's changes meet as in the emulation (every worker in every update)."""
     spec = make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps, seed=seed, grad_accum=grad_accum,
-                     skip_nonfinite=skip_nonfinite, rules=rules)
+                     skip_nonfinite=skip_nonfinite, rules=rules, asynchronous_local=asynchronous_local)
     checkpoint = None
     if checkpoint_dir:
         checkpoint = ServerCheckpoint(checkpoint_dir, checkpoint_every, resume)
