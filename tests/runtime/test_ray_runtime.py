@@ -87,11 +87,11 @@ def test_ssp_staleness_0_on_the_runtime_is_sync_sgd(ray_instance):
 
 
 @pytest.mark.slow
-def test_a_model_failing_inside_a_worker_is_one_line(ray_instance):
+def test_a_model_failing_inside_a_worker_is_one_line_and_leaves_nothing(ray_instance, tmp_path):
     with pytest.raises(jaxpar.JaxparError, match=r"^worker 0: model failing: the factory raised RuntimeError: my "
                                                  r"model is broken; it must build") as error:
-        run(failing, loss, optax.sgd(0.05), "data=2", jaxpar.ASP(), batches, 3)
-    assert "\n" not in str(error.value)
+        run(failing, loss, optax.sgd(0.05), "data=2", jaxpar.ASP(), batches, 3, run_dir=str(tmp_path / "records"))
+    assert "\n" not in str(error.value) and not (tmp_path / "records").exists()
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ server ends the run with one line), reports progress, and returns the result."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, Callable, NamedTuple
@@ -49,8 +50,25 @@ def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: 
     if checkpoint_dir:
         checkpoint = ServerCheckpoint(checkpoint_dir, checkpoint_every, resume)
         checkpoint.check()
+    created = run_dir is None or not os.path.exists(run_dir)
     run_dir = run_dir or tempfile.mkdtemp(prefix="jaxpar-ray-")
     os.makedirs(run_dir, exist_ok=True)
+    try:
+        out, restarts = _run(spec, run_dir, checkpoint, ray_address, num_cpus, max_restarts, on_progress,
+                             progress_every)
+    except BaseException as error:
+        if created and not getattr(error, "trained", False):  # a run refused before training leaves nothing
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    records = out["records"]
+    seconds = records[-1]["wall"] - records[0]["wall"] if len(records) > 1 else 0.0
+    schedule = [[Delivery(*d) for d in update] for update in out["schedule"]]
+    return RayRun(out["params"], out["version"], schedule, records, seconds, out["duplicates"], restarts, run_dir,
+                  out["resumed_at"])
+
+
+def _run(spec, run_dir, checkpoint, ray_address, num_cpus, max_restarts, on_progress, progress_every):
+    """(the server's result, restarts per worker); an error raised once training started has `trained` set."""
     started = connect.start(ray_address, num_cpus)
     import ray
 
@@ -65,18 +83,17 @@ def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: 
                    for w in range(spec.num_workers)]
         actors += workers
         _prepare(ray, workers)
-        restarts = _watch(ray, server, workers, max_restarts, on_progress, progress_every)
-        out = _call(ray, server.result.remote(), "result")
+        try:
+            restarts = _watch(ray, server, workers, max_restarts, on_progress, progress_every)
+            return _call(ray, server.result.remote(), "result"), restarts
+        except BaseException as error:
+            error.trained = True  # its records stay
+            raise
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
         if started:
             ray.shutdown()
-    records = out["records"]
-    seconds = records[-1]["wall"] - records[0]["wall"] if len(records) > 1 else 0.0
-    schedule = [[Delivery(*d) for d in update] for update in out["schedule"]]
-    return RayRun(out["params"], out["version"], schedule, records, seconds, out["duplicates"], restarts, run_dir,
-                  out["resumed_at"])
 
 
 def _call(ray, ref, what: str):
@@ -89,7 +106,13 @@ def _call(ray, ref, what: str):
 
 def _prepare(ray, workers) -> None:
     """Every worker builds its Trainer and compiles before the first one joins; a failure is one line."""
-    for worker, out in enumerate(ray.get([w.prepare.remote() for w in workers])):
+    refs = [w.prepare.remote() for w in workers]
+    for worker, ref in enumerate(refs):
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as error:  # e.g. out of memory, or an import that fails
+            line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise JaxparError(f"worker {worker}: its process died while building its Trainer ({line})") from None
         if "error" in out:
             raise JaxparError(f"worker {worker}: {out['error']}")
 
