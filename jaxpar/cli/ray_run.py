@@ -67,6 +67,8 @@ def train_on_ray(config) -> dict:
     last = {}
 
     def progress(p):  # versions per second since the last line (the first: since the first update's clock)
+        if not p["version"]:
+            return  # workers still compiling
         now = time.time()
         rate = ((p["version"] - last["version"]) / max(now - last["at"], 1e-9) if last
                 else p["version"] / max(p["wall"], 1e-9))
