@@ -17,6 +17,7 @@ import models
 from jaxpar.cli import strategies
 from jaxpar.cli.batching import static_batch_sizes
 from jaxpar.cli.build import datasets, make_optimizer
+from jaxpar.errors import CheckpointError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.train.lr_schedules import batch_size_fn, lr_schedule
 
@@ -56,6 +57,9 @@ def train_on_ray(config) -> dict:
     ray_module()  # installed?
     if config.ray_address:
         check_address(config.ray_address)
+    if config.resume == "required" and not _has_checkpoint(config.checkpoint_dir):
+        raise CheckpointError(config.checkpoint_dir, "holds no server checkpoint to resume (--resume required); "
+                                                     "pass --resume to start fresh when there is none")
     shape, optimizer, strategy = _parts(config)
     if config.explain:
         return explain_ray(config, shape, strategy)
@@ -105,6 +109,10 @@ def train_on_ray(config) -> dict:
     return {"final_loss": records[-1]["loss"], "steps": out.version, "seconds": out.seconds,
             "steps_per_sec": out.version / max(out.seconds, 1e-9), "staleness_max": max(stale),
             "restarts": sum(out.restarts.values())}
+
+
+def _has_checkpoint(folder: str) -> bool:
+    return os.path.isdir(folder) and any(name.isdigit() for name in os.listdir(folder))
 
 
 def explain_ray(config, shape, strategy) -> dict:

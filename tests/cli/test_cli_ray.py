@@ -32,6 +32,9 @@ def test_ray_flags_are_checked_before_anything_starts(capsys, tmp_path):
           "--ray-address '127.0.0.1:9': nothing answers there within 10 s")
     fails(["--model", "mlp", "--strategy", "local_sgd", "--local-after", "3", "--runtime", "ray", "--mesh", "data=2"],
           capsys, "--local-after 3: not supported with --runtime ray")
+    fails(ASP + ["--mesh", "data=2", "--checkpoint-dir", str(tmp_path / "none"), "--resume", "required"], capsys,
+          "holds no server checkpoint to resume (--resume required)")
+    assert not (tmp_path / "none").exists()
 
 
 def test_explain_shows_workers_devices_and_bytes(capsys):
