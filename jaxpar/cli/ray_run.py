@@ -68,6 +68,9 @@ def train_on_ray(config) -> dict:
           f"{'s' * (devices > 1)} each (mesh {config.mesh}) and a parameter server; global batch "
           f"{config.batch_size} ({config.batch_size // workers} per worker); strategy {config.strategy}; "
           f"{config.steps} server updates", flush=True)
+    if config.eval_batches:
+        print("jaxpar: note: --runtime ray reports training loss only (no held-out evaluation yet); the final "
+              "parameters are the server's", flush=True)
     last = {}
 
     def progress(p):  # versions per second since the last line (the first: since the first update's clock)
