@@ -87,6 +87,8 @@ BENCHMARKS = [
               "the event simulator SSP / ASP plan with: seconds for 20,000 updates with stragglers and jitter"),
     Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},
               "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
+    Benchmark("ray_async", "ray_async", ["--steps", "400"], None, {True: 0, False: 900},
+              "--runtime ray: asp / ssp2 / sync wall time with a 3x straggler of 4, the server's round trip"),
 ]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import models
 from jaxpar.cli import compat, defaults, paths, records, validation
 from jaxpar.cli.options import GROUPS, Option, declared, section
+from jaxpar.cli.runtimes import RUNTIMES
 from jaxpar.cli.strategies import NAMES as STRATEGIES
 from jaxpar.cli.values import (DTYPES, OPTIMIZERS, at_least, channels_check, coordinator_check, not_empty, one_of,
                                parse_decay_steps, parse_profile, parses, rules_check, within)
@@ -187,6 +188,14 @@ class Config:
     check_every: int = _faults(100, "compare every device's copy of the replicated parameters every N steps; 0: "
                                     "never; a fingerprint, at the start and every N steps", check=_count)
     # --- several processes (jaxpar.runtime.distributed); python -m jaxpar.launch sets them through the environment ---
+    runtime: str = _procs(RUNTIMES[0], "emulated: one SPMD program, asynchrony emulated exactly (simulated time) | ray: "
+                                       "each data-axis index a Ray actor process, a parameter server, real wall-clock "
+                                       "asynchrony (pip install 'jaxpar[ray]')", check=one_of(RUNTIMES))
+    ray_address: str | None = _procs(None, "with --runtime ray: HOST:PORT of a running Ray head (ray start --head), or "
+                                           "'auto'", check=not_empty("10.0.0.1:6379"),
+                                     default_text="a local Ray instance started for the run")
+    max_restarts: int | None = _procs(None, "with --runtime ray: times Ray restarts a worker process that dies (it "
+                                            "rejoins from the current parameters)", check=_count, default_text="0")
     coordinator: str | None = _procs(None, "HOST:PORT of process 0 (the same on every process); for a run over "
                                            "several processes / hosts; with --num-processes and --process-id",
                                      check=coordinator_check,
