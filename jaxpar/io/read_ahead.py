@@ -1,7 +1,7 @@
 """Items built ahead of their consumer in one background thread, a bounded number at a time.
 
 `ReadAhead(make, cursor, depth)` calls `make(cursor) -> (item, next cursor)` again and again in a daemon thread,
-keeping at most `depth` items ready in a queue. `next()` returns (item, the cursor after it) in order. The consumer's
+with at most `depth` items built or being built that the consumer has not taken. `next()` returns (item, the cursor after it) in order. The consumer's
 position is the cursor after the last item it took, never the producer's: `make` must be a pure function of the
 cursor (a batch of `jaxpar.io.data.Batches` is one of its (position, step)), so restarting at a cursor rebuilds
 exactly what would have come.
@@ -32,9 +32,10 @@ class ReadAhead:
     def __init__(self, make: Callable[[Any], tuple[Any, Any]], cursor, depth: int = 2, name: str = "jaxpar-read-ahead"):
         if depth < 1:
             raise ValueError(f"depth {depth}: must be at least 1")
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(depth)  # one per item not yet taken, taken before building it
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_produce, args=(make, cursor, self._queue, self._stop),
+        self._thread = threading.Thread(target=_produce, args=(make, cursor, self._queue, self._slots, self._stop),
                                         name=name, daemon=True)
         self._thread.start()
         self._failed = None
@@ -46,6 +47,7 @@ class ReadAhead:
         while True:
             try:
                 item, after, error = self._queue.get(timeout=POLL_SECONDS)
+                self._slots.release()
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
@@ -59,13 +61,7 @@ class ReadAhead:
     def close(self) -> None:
         """Stops the producer and waits for it to end (it ends within the build it is in, plus POLL_SECONDS)."""
         self._stop.set()
-        while self._thread.is_alive():
-            try:
-                while True:
-                    self._queue.get_nowait()  # unblock a producer waiting to put
-            except queue.Empty:
-                pass
-            self._thread.join(POLL_SECONDS)
+        self._thread.join()
 
     @property
     def running(self) -> bool:
@@ -81,19 +77,14 @@ class ReadAhead:
         self.close()
 
 
-def _produce(make, cursor, items: queue.Queue, stop: threading.Event) -> None:
+def _produce(make, cursor, items: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
     while not stop.is_set():
+        if not slots.acquire(timeout=POLL_SECONDS):
+            continue  # `depth` items wait for the consumer
         try:
             item, after = make(cursor)
-            entry = (item, after, None)
+            items.put((item, after, None))
         except BaseException as error:  # noqa: B902 (handed to the consumer, raised there)
-            entry = (None, cursor, error)
-        while not stop.is_set():
-            try:
-                items.put(entry, timeout=POLL_SECONDS)
-                break
-            except queue.Full:
-                continue
-        if entry[2] is not None:
+            items.put((None, cursor, error))
             return
         cursor = after
