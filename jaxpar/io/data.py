@@ -58,8 +58,10 @@ class TextWindows:
         return max((len(self.tokens) - 1) // self.seq_len, 0)
 
     def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        starts = np.asarray(indices)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        return {"tokens": self.tokens[starts].astype(np.int32)}
+        starts = np.asarray(indices, np.int64) * self.seq_len
+        if hasattr(self.tokens, "runs"):  # a corpus part on disk: one read per window, no per-byte arithmetic
+            return {"tokens": self.tokens.runs(starts, self.seq_len + 1).astype(np.int32)}
+        return {"tokens": self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)}
 
 
 class SyntheticSource:

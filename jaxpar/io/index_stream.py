@@ -77,6 +77,22 @@ def _encrypt(values: np.ndarray, keys: list[int], word: int) -> np.ndarray:
     return (left << shift) | right
 
 
+def whole_permutation(n: int, seed: int) -> np.ndarray:
+    """`permute(arange(n), n, seed)`, faster: the cipher once over its whole domain [0, 2**B), then cycle walking
+    by pointer jumping (each value's next value below n, found in log2(longest walk) passes over the domain rather
+    than one pass per step of the longest walk)."""
+    if n <= 1:
+        return np.zeros(n, np.int64)
+    bits = block_bits(n - 1)
+    if n > 2**bits or 2**bits < 4 * n:  # walking each value is as quick when the domain is not much above n
+        return permute(np.arange(n), n, seed)  # (n > 2**bits: n - 1 a power of two of 16 bits or more)
+    target = _encrypt(np.arange(2**bits, dtype=np.uint64), round_keys(seed % 2**32), bits // 2).astype(np.int64)
+    done = target < n  # target[x] is the first value below n after x
+    while not done[:n].all():
+        target, done = np.where(done, target, target[target]), done | done[target]
+    return target[:n]
+
+
 def permute(indices, n: int, seed: int) -> np.ndarray:
     """Where the permutation of range(n) for `seed` (32 bits) sends each of `indices` (int64, the same shape)."""
     indices = np.asarray(indices, np.int64)
@@ -108,7 +124,7 @@ class IndexStream:
         order = self._epochs.get(epoch)
         if order is None:
             dtype = np.int32 if self.n < 2**31 else np.int64
-            order = (permute(np.arange(self.n), self.n, self.seed + epoch) if self.shuffle
+            order = (whole_permutation(self.n, self.seed + epoch) if self.shuffle
                      else np.arange(self.n)).astype(dtype)
             self._epochs = {e: o for e, o in self._epochs.items() if e == epoch - 1}  # the previous one stays
             self._epochs[epoch] = order

@@ -78,3 +78,11 @@ def test_batches_draw_grains_rows_for_one_process_and_for_its_share():
         expected = grain_order(n, seed, range(step * 512, step * 512 + 512))
         np.testing.assert_array_equal(next(whole)["i"], expected)
         np.testing.assert_array_equal(next(share)["i"], expected[128:256])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 1497, 16_385, 65_536, 65_537, 100_000])
+def test_a_whole_epoch_by_pointer_jumping_is_the_walked_one(n):
+    from jaxpar.io.index_stream import whole_permutation
+
+    for seed in (0, 11):
+        np.testing.assert_array_equal(whole_permutation(n, seed), permute(np.arange(n), n, seed))
