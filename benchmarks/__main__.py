@@ -85,6 +85,10 @@ BENCHMARKS = [
               "cost of checkpointing every 10 steps (full mode only)"),
     Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},
               "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
+    Benchmark("input_pipeline", "input_pipeline", [], ["--sizes", "512,4096", "--seconds", "0.3", "--rounds", "3",
+                                                       "--steps", "50"], {True: 240, False: 600},
+              "host ms per global batch (old per-example index path vs vectorized); mlp steps/s fed by run.py's "
+              "pipeline vs device-resident batches"),
 ]
 
 

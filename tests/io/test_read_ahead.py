@@ -167,3 +167,18 @@ def test_sigterm_and_ctrl_c_end_a_run_with_no_read_ahead_thread_left(signum, cod
                      "--batch-size", "64"]) == code
     assert capsys.readouterr().err == f"run.py: {'terminated' if signum == signal.SIGTERM else 'interrupted'}\n"
     assert not readers()
+
+
+def test_device_prefetch_places_read_ahead_batches_in_the_thread_that_builds_them():
+    where = []
+
+    def put(batch):
+        where.append(threading.current_thread().name)
+        return {k: v + 0 for k, v in batch.items()}
+
+    with data.prefetch_to_device(data.Batches(Indices(), 16, seed=1, read_ahead=2), put) as ahead:
+        got = draw(ahead, 6)
+    inline = data.prefetch_to_device(data.Batches(Indices(), 16, seed=1), put)
+    expected = draw(inline, 6)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(got, expected) for k in a)
+    assert set(where[:6]) == {"jaxpar-read-ahead:dataset"} and set(where[-6:]) == {threading.main_thread().name}
