@@ -11,7 +11,8 @@ rarely the median: that cost, once per epoch, is its own column), built in the c
 - `old`: what `Batches.__next__` did before the index stream: grain's `MapDataset.range(n).shuffle(seed).repeat()`
   asked for one index at a time in a Python loop, then the source for those examples;
 - `new`: `Batches.__next__` (`jaxpar.io.index_stream`: the epoch's order as one numpy array, one gather per batch).
-Sources: `digits` (the training split, tiled to 32x its 1,497 examples when a batch is larger), `text` (run.py's
+Sources: `digits` (the training split, tiled to hold the largest batch: 22x its 1,497 examples for 32,768),
+`text` (run.py's
 corpus on disk, the first 8 MiB of the default corpus, windows of 129 bytes read with os.pread as a run reads
 them), `synthetic` (`SyntheticSource("image")` of 65,536 examples).
 
@@ -20,6 +21,10 @@ Part `steps`: the trainer `run.py --model mlp --mesh 8 --batch-size 512` builds 
 - `device`: one global batch already placed on the devices, repeated (the overhead benchmark's jaxpar figure);
 - `run.py`: run.py's pipeline (`Batches` with 2 batches read ahead in a thread, `prefetch_to_device` of 2);
 - `old`: the old path (grain per example, in the main thread) under the same device prefetch.
+
+Part `workers` (how batches are built ahead): the consumer's milliseconds per `next` (median and mean of 200, with
+2 ms of sleep between calls standing in for a step) for digits tiled 22x (32,934 examples): `Batches(read_ahead=2)`
+(a thread), grain's `mp_prefetch` with 1 worker process (each record one vectorized batch), and no read-ahead.
 Prints markdown tables and one JSON line per measurement.
 """
 
@@ -152,9 +157,68 @@ def steps_part(args) -> list[dict]:
     return [row]
 
 
+class _OneBatchPerRecord:
+    """A grain source whose record k is batch k of `Batches` (for grain's worker processes to build)."""
+
+    def __init__(self, source, size):
+        self.source, self.size = source, size
+
+    def __len__(self):
+        return 1 << 40
+
+    def __getitem__(self, k):
+        from jaxpar.io import data
+
+        batches = data.Batches(self.source, self.size, seed=0)
+        batches.set_state({"position": k * self.size, "step": k})
+        return next(batches)
+
+
+def workers_part(args) -> list[dict]:
+    import absl.flags
+    import grain
+
+    from jaxpar.io import data
+
+    absl.flags.FLAGS.mark_as_parsed()  # grain's worker processes read absl flags
+
+    def consumer_ms(batches, count=200):
+        next(batches)
+        times = []
+        for _ in range(count):
+            begin = time.perf_counter()
+            next(batches)
+            times.append(time.perf_counter() - begin)
+            time.sleep(0.002)
+        return statistics.median(times) * 1e3, statistics.mean(times) * 1e3
+
+    sizes = [int(s) for s in args.sizes.split(",") if int(s) <= 4096]
+    source = sources(32768)["digits"]  # 32,934 examples: an epoch every 8 batches of 4,096 at most
+    rows = []
+    for size in sizes:
+        with data.Batches(source, size, seed=0, read_ahead=2) as thread:
+            timed = {"thread": consumer_ms(thread)}
+        pool = grain.MapDataset.source(_OneBatchPerRecord(source, size)).to_iter_dataset().mp_prefetch(
+            grain.multiprocessing.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=2))
+        workers = iter(pool)
+        timed["grain_workers"] = consumer_ms(workers)
+        workers.close()
+        timed["inline"] = consumer_ms(data.Batches(source, size, seed=0))
+        rows.append({"part": "workers", "batch": size, **{f"{k}_median_ms": v[0] for k, v in timed.items()},
+                     **{f"{k}_mean_ms": v[1] for k, v in timed.items()}})
+    print("\n| digits x22, global batch | thread read-ahead: median / mean (ms) | grain mp_prefetch, 1 worker | "
+          "no read-ahead |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']:,} | " + " | ".join(f"{r[k + '_median_ms']:.3f} / {r[k + '_mean_ms']:.3f}"
+                                                   for k in ("thread", "grain_workers", "inline")) + " |")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["host", "steps", "both"], default="both")
+    parser.add_argument("--part", choices=["host", "steps", "workers", "both"], default="both",
+                        help="both: host and steps")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="global batch sizes, comma-separated")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measured (source, size, path)")
     parser.add_argument("--batch-size", type=int, default=512, help="part steps: run.py's --batch-size")
@@ -166,6 +230,8 @@ def main():
         rows += host_part(args)
     if args.part in ("steps", "both"):
         rows += steps_part(args)
+    if args.part == "workers":
+        rows += workers_part(args)
     for row in rows:
         print(json.dumps(row))
 

@@ -4,8 +4,9 @@ of which a process reads just the byte ranges its windows need.
 The length and every file's place in the concatenation come from `os.stat` sizes, so the train / validation split
 and the byte offsets of any window are known before a byte is read. `Corpus[positions]` reads the distinct
 positions asked for, one positioned read (`os.pread`) per contiguous run (per file), and counts the bytes it read
-(`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the training or the held-out part of a corpus under `BlockSplit`,
-the one place that says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule to bytes in memory.
+(`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the training or the held-out part of a corpus under
+`BlockSplit`, the one place that says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule
+to bytes in memory.
 
     corpus = open_corpus("books/", max_bytes=1 << 30)     # stats the files, reads nothing
     train, held_out = split_corpus(corpus, seq_len=128)

@@ -61,20 +61,22 @@ def block_bits(max_index: int) -> int:
 
 
 def _encrypt(values: np.ndarray, keys: list[int], word: int) -> np.ndarray:
-    mask = np.uint64((1 << word) - 1)
-    shift = np.uint64(word)
+    """The cipher on blocks of 2 * `word` bits (values uint64); each half is a uint32 array (word <= 32: bits shifted
+    past 32 are above the word and masked off anyway)."""
+    mask = np.uint32((1 << word) - 1)
 
     def rotl(x, r):
-        return ((x << np.uint64(r)) & mask) | (x >> np.uint64(word - r))
+        return ((x << np.uint32(r)) & mask) | (x >> np.uint32(word - r))
 
     def f(x):
         return (rotl(x, 1) & rotl(x, 8)) ^ rotl(x, 2)
 
-    left, right = (values >> shift) & mask, values & mask
+    left = ((values >> np.uint64(word)) & np.uint64(mask)).astype(np.uint32)
+    right = (values & np.uint64(mask)).astype(np.uint32)
     for k1, k2 in zip(keys[::2], keys[1::2]):
-        left ^= f(right) ^ np.uint64(k1 & int(mask))
-        right ^= f(left) ^ np.uint64(k2 & int(mask))
-    return (left << shift) | right
+        left ^= f(right) ^ np.uint32(k1 & int(mask))
+        right ^= f(left) ^ np.uint32(k2 & int(mask))
+    return (left.astype(np.uint64) << np.uint64(word)) | right
 
 
 def whole_permutation(n: int, seed: int) -> np.ndarray:
@@ -86,10 +88,14 @@ def whole_permutation(n: int, seed: int) -> np.ndarray:
     bits = block_bits(n - 1)
     if n > 2**bits or 2**bits < 4 * n:  # walking each value is as quick when the domain is not much above n
         return permute(np.arange(n), n, seed)  # (n > 2**bits: n - 1 a power of two of 16 bits or more)
-    target = _encrypt(np.arange(2**bits, dtype=np.uint64), round_keys(seed % 2**32), bits // 2).astype(np.int64)
+    target = _encrypt(np.arange(2**bits, dtype=np.uint64), round_keys(seed % 2**32), bits // 2)
+    target = target.astype(np.int32 if bits < 32 else np.int64)
     done = target < n  # target[x] is the first value below n after x
-    while not done[:n].all():
-        target, done = np.where(done, target, target[target]), done | done[target]
+    pending = np.flatnonzero(~done)
+    while not done[:n].all():  # (values in cycles with no value below n never finish: only [:n] must)
+        hop = target[pending]
+        target[pending], done[pending] = target[hop], done[hop]
+        pending = pending[~done[pending]]
     return target[:n]
 
 

@@ -1,10 +1,10 @@
 """Items built ahead of their consumer in one background thread, a bounded number at a time.
 
 `ReadAhead(make, cursor, depth)` calls `make(cursor) -> (item, next cursor)` again and again in a daemon thread,
-with at most `depth` items built or being built that the consumer has not taken. `next()` returns (item, the cursor after it) in order. The consumer's
-position is the cursor after the last item it took, never the producer's: `make` must be a pure function of the
-cursor (a batch of `jaxpar.io.data.Batches` is one of its (position, step)), so restarting at a cursor rebuilds
-exactly what would have come.
+with at most `depth` items built or being built that the consumer has not taken. `next()` returns (item, the cursor
+after it) in order. The consumer's position is the cursor after the last item it took, never the producer's: `make`
+must be a pure function of the cursor (a batch of `jaxpar.io.data.Batches` is one of its (position, step)), so
+restarting at a cursor rebuilds exactly what would have come.
 
 An exception raised by `make` (a data error: a file that shrank or cannot be read) is handed to the consumer in
 place of the item it was building, and raised by the `next()` that would have returned that item: it surfaces at
