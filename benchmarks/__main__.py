@@ -89,6 +89,10 @@ BENCHMARKS = [
               "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
     Benchmark("ray_async", "ray_async", ["--steps", "400"], None, {True: 0, False: 900},
               "--runtime ray: asp / ssp2 / sync wall time with a 3x straggler of 4, the server's round trip"),
+    Benchmark("input_pipeline", "input_pipeline", [], ["--sizes", "512,4096", "--seconds", "0.3", "--rounds", "3",
+                                                       "--steps", "50"], {True: 240, False: 600},
+              "host ms per global batch (old per-example index path vs vectorized); mlp steps/s fed by run.py's "
+              "pipeline vs device-resident batches"),
 ]
 
 

@@ -260,6 +260,8 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
         except JaxparError:
             pass  # the metrics file failed too: the original error is the one to report
         raise
+    finally:
+        batches.close()  # the read-ahead thread ends with the run, however it ended
     logger.close()
     held = evaluation.history[-1][1] if evaluation.history else {}
     summary = {"final_" + k: v for k, v in last.items()}

@@ -228,6 +228,8 @@ def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_on
     old_train, old_val = data.split_text(data.load_text(None), seq_len=16)  # the whole corpus in memory
     old = data.text_batches(old_train, 8, 16, seed=3)
     train, held_out = datasets(config, lambda step: 8, 8)
+    assert train.read_ahead == data.DEFAULT_READ_AHEAD  # a run builds batches ahead: the same batches
+    train.read_ahead = 0  # (bytes counted exactly: without the batches a thread would have built ahead)
     for _ in range(5):
         np.testing.assert_array_equal(next(train)["tokens"], next(old)["tokens"])
     np.testing.assert_array_equal(held_out[np.arange(10)]["tokens"], data.TextWindows(old_val, 16)[np.arange(10)]["tokens"])
@@ -235,6 +237,7 @@ def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_on
     assert corpus.bytes_read == 5 * 8 * 17 + 10 * 16 + 1  # 40 training windows, 10 consecutive held-out ones
     half, _ = datasets(config, lambda step: 8, 8)
     half.rows = lambda size: np.arange(size // 2, size)  # the second of two processes' rows
+    half.read_ahead = 0
     np.testing.assert_array_equal(next(half)["tokens"], next(data.text_batches(old_train, 8, 16, seed=3))["tokens"][4:])
     assert half.source.tokens.corpus.bytes_read == 4 * 17
 
