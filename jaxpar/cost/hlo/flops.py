@@ -61,9 +61,10 @@ def loop_flops(compiled_or_hlo_text, xla_flops: float | None) -> Flops:
 
 
 def _alternating(program: Program, costed) -> float:
-    """What counting 1F1B's half-step conditionals at the mean of their branches changes (a negative number): for
-    each, (mean - costliest branch) x the runs of the computation holding it."""
-    change = 0.0
+    """What counting 1F1B's half-step conditionals at the mean of their branches changes (a negative number). The
+    count so far holds, per run of such a conditional, its costliest branch's static FLOPs (XLA) plus the loops left
+    out of every branch (`_extra`); it should hold the mean over the branches of (static + left out)."""
+    change, memo = 0.0, {}
     for computation in program.order:
         for line in program.lines[computation]:
             if ALTERNATING not in line or not _CONDITIONAL.search(line):
@@ -71,9 +72,12 @@ def _alternating(program: Program, costed) -> float:
             branches = _BRANCHES.search(line)
             names = ([n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else
                      [m.group(1) for m in _TRUE_FALSE.finditer(line)])
-            costs = [costed(name) for name in names if name in program.calls]
-            if len(costs) > 1:
-                change += program.runs[computation] * (sum(costs) / len(costs) - max(costs))
+            names = [name for name in names if name in program.calls]
+            static = [costed(name) for name in names]
+            left_out = [_extra(program, name, costed, memo) for name in names]
+            if len(names) > 1:
+                whole = [a + b for a, b in zip(static, left_out)]
+                change += program.runs[computation] * (sum(whole) / len(whole) - max(static) - sum(left_out))
     return change
 
 
