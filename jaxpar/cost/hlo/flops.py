@@ -67,8 +67,8 @@ def _alternating(program: Program, costed) -> float:
     change, memo = 0.0, {}
     for computation in program.order:
         for line in program.lines[computation]:
-            if ALTERNATING not in line or not _CONDITIONAL.search(line):
-                continue
+            if f'{ALTERNATING}/cond"' not in line or not _CONDITIONAL.search(line):
+                continue  # not the half-step's own conditional (those inside its branches keep the costliest)
             branches = _BRANCHES.search(line)
             names = ([n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else
                      [m.group(1) for m in _TRUE_FALSE.finditer(line)])
