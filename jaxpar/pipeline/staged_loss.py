@@ -2,8 +2,10 @@
 and every part of the model inside the schedule, one microbatch per tick (`jaxpar.pipeline.schedules`).
 
 - GPipe and circular (`circular_loss`): stage 0 computes each microbatch's stack input in the tick that runs it, the
-  last stage the head and the loss in the tick the microbatch leaves; the backward is autodiff through the ticks,
-  each rematerialised, so a tick keeps one activation (its input) for the backward.
+  last stage the head and the loss in the tick the microbatch leaves; the backward is autodiff through the ticks
+  inside the stage map, each tick rematerialised, so a tick keeps one activation (its input) for the backward. The
+  gradients of the parameters outside the stack are summed over the stages, and every gradient averaged over data
+  in one psum after the loop, as under 1F1B.
 - 1F1B (`one_f_one_b`): the same parts in its forward half-steps; stage 0 pulls each backward's input gradient
   through the part before the stack at once.
 
@@ -15,7 +17,6 @@ is computed or kept, and nothing is replicated over the stage devices but the (i
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.parallel import mesh as mesh_lib
@@ -84,18 +85,25 @@ def loss_and_grad(graphdef, loss_of, params, model_state, batch, key):
     def body(by_stage, other_p, state, batch, args, key, step_key):
         chunks = jax.tree.map(lambda a: a[0], by_stage)  # this stage's [R, k, ...]
         stage_fn, first, head = parts(chunks, state, batch, args, key, step_key, rows_of(batch))
-        loss, metrics = circular_loss(stage_fn, first, head, chunks, other_p, count, axis=axis, repeats=rounds)
-        mine = lambda a: (a / (count * shards))[None, None]  # noqa: E731 - this (stage, data shard)'s share
-        return mine(loss), jax.tree.map(mine, metrics)
 
-    each = shd.stage_rows(mesh, 1, staged=True)  # one value per (stage, data shard)
-    mapped = shd.over_stages(body, mesh, (split, whole, whole, batch_rows, whole, whole, whole), (each, each))
+        def mine(chunks, other):  # this (stage, data shard)'s share of the mean loss: the last stage's, else 0
+            loss, metrics = circular_loss(stage_fn, first, head, chunks, other, count, axis=axis, repeats=rounds)
+            scale = lambda a: a / (count * shards)  # noqa: E731
+            return scale(loss), jax.tree.map(scale, metrics)
 
-    def total(stack_p, other_p):
-        losses, metrics = mapped(stack.by_stage(stack_p, stages, rounds), other_p, model_state, batch, capture.args,
-                                 capture.key, step_key)
-        return jnp.sum(losses), jax.tree.map(jnp.sum, metrics)
+        # the backward inside the map (the ticks in reverse, the permutes transposed): each device's gradients of
+        # the whole loss for its own chunks, and its own uses' share for the parameters outside the stack
+        (loss, metrics), (grads, other_grads) = jax.value_and_grad(mine, argnums=(0, 1), has_aux=True)(
+            chunks, other_p)
+        loss, metrics, other_grads = jax.lax.psum((loss, metrics, other_grads), axis)
+        if rows_axis is not None:  # the gradient average over data: one psum, once per step
+            loss, metrics, other_grads, grads = jax.lax.psum((loss, metrics, other_grads, grads), rows_axis)
+        return loss, metrics, jax.tree.map(lambda a: a[None], grads), other_grads
 
-    (loss, metrics), (stack_grads, other_grads) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(
-        stack_params, other_params)
+    mapped = shd.over_stages(body, mesh, (split, whole, whole, batch_rows, whole, whole, whole),
+                             (whole, whole, split, whole))
+    loss, metrics, by_stage_grads, other_grads = mapped(
+        stack.by_stage(stack_params, stages, rounds), other_params, model_state, batch, capture.args, capture.key,
+        step_key)
+    stack_grads = jax.tree.map(lambda g, p: g.swapaxes(0, 1).reshape(p.shape), by_stage_grads, stack_params)
     return loss, metrics, new_model_state, nnx.merge_state(other_grads, stack_grads)
