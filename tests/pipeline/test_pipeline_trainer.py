@@ -185,9 +185,11 @@ def test_1f1b_refuses_a_stack_called_twice_per_step():
 
 
 @pytest.mark.slow
-def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
-    """Layers after the stack run per microbatch under 1F1B: each microbatch gets its own streams (one key for all
-    once repeated one mask on every microbatch)."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layers_after_the_stack_draw_the_whole_batch_masks_at_each_microbatch_rows(schedule):
+    """The head runs per microbatch inside the last stage's ticks: each microbatch draws the whole batch's dropout
+    masks at its rows (`jaxpar.pipeline.shard_keys` with the microbatch stride), so the masks, the kept fraction
+    and the loss equal the unpipelined run's (one key for all once repeated one mask on every microbatch)."""
     class DropHead(Net):
         def __init__(self, rngs):
             super().__init__(rngs, rate=0.0)
@@ -203,18 +205,16 @@ def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
 
     def kept_and_loss(mesh):
         trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh(mesh),
-                                 pipeline=Pipeline("1f1b", 4))
+                                 pipeline=Pipeline(schedule, 4))
         metrics = trainer.step(trainer.init(0), batches(1, size=8)[0])[1]
         return float(metrics["kept"]), float(metrics["loss"])
 
-    kept, loss = kept_and_loss("stage=2")
-    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16): one mask
-    # repeated gives a count / 32, four masks their average (here 15.25 / 32)
-    assert kept * 32 == 15.25, kept
-    # with data=2 each data shard draws its rows of the same masks (jaxpar.pipeline.shard_keys); metrics are
-    # averaged over the data shards, so a metric that is a mean over examples is the same
-    kept_data, loss_data = kept_and_loss("data=2,stage=2")
-    assert kept_data == kept and np.isclose(loss_data, loss, rtol=RTOL), (kept_data, loss_data, loss)
+    kept_one, loss_one = kept_and_loss("1x1")
+    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16), which is
+    # the whole batch's fraction when the microbatches' masks are the whole batch's at their rows
+    for mesh in ("stage=2", "data=2,stage=2"):  # with data=2 each data shard draws its rows of the same masks
+        kept, loss = kept_and_loss(mesh)
+        assert kept == kept_one and np.isclose(loss, loss_one, rtol=RTOL), (mesh, kept, kept_one, loss, loss_one)
 
 
 def test_1f1b_needs_exactly_one_stack():
