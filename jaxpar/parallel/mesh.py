@@ -13,15 +13,13 @@ Axes, outermost to innermost (the device grid is laid out in this order, so `mod
   model: its K/V traffic every layer outweighs fsdp's weight gathers at long sequences, model's is heavier still;
 - `model`: Megatron-style tensor parallelism.
 
-Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`,
-`STAGE_AXIS`, ...) and never spells an axis name. A model written for explicit sharding names its own axes
-(`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`): the mesh keeps one axis per role in the
-order above, so the axis playing a role is the one at that role's place, and `axis_name(mesh, role)` gives its
-name (on today's meshes, the role's own name).
+Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `SEQ_AXIS`, ...), never by name. A model
+written for explicit sharding names its own axes (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"},
+axis_types="explicit")`): the mesh keeps one axis per role in the order above; `axis_name(mesh, role)` gives its name.
 
 Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
-`"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`, `"data=2,seq=4"`; absent axes have size 1; `-1` once
-means all remaining devices. The positional forms never name `stage`: a pipeline is asked for by name.
+`"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`, `"data=2,seq=4"`; absent axes have
+size 1; `-1` once means all remaining devices. The positional forms never name `stage` or `seq`: ask for them by name.
 
     >>> mesh = make_mesh("data=2,stage=2,model=2")    # doctest: +SKIP
     >>> dict(mesh.shape)                              # doctest: +SKIP
@@ -188,8 +186,7 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: 
     partitions what a sharding does not pin down (GSPMD style), which is what `NamedSharding` parameters and
     `shard_map(axis_names={REPLICA_AXIS})` expect.
 
-    On CPU, `make_mesh` asks JAX for as many devices as the mesh needs if it runs first (`runtime.cpu_devices`);
-    a mesh larger than the devices JAX already started with is a `MeshError` saying how to get more.
+    On CPU it asks JAX for the devices the mesh needs if it runs first; more than JAX started with is a MeshError.
 
     Models written for JAX's explicit sharding (jax-ml/bonsai's) name their own axes: `roles` maps each such name
     to the jaxpar role it plays (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`); the
@@ -260,11 +257,9 @@ def check_mesh(mesh) -> None:
 
 # --- questions asked by role ---------------------------------------------------------------------------------------
 # The axis playing a role is the mesh's axis at that role's place in `AXES` (make_mesh and check_mesh keep that
-# order), so a mesh with the model's own names needs no table beside it. The role constants above are jaxpar's
-# names; on a mesh from `make_mesh(..., roles=...)` they are translated by `axis_name` where a sharding is built.
+# order); on a mesh from `make_mesh(..., roles=...)` role names are translated by `axis_name` where a sharding is built.
 def axis_name(mesh, axis: str) -> str:
-    """The mesh's name for `axis`: a role (one of `AXES`) -> the name of the axis playing it on `mesh`; a name the
-    mesh has, or any other string, unchanged. On a mesh with jaxpar's names, the identity."""
+    """The mesh's name for a role (one of `AXES`); a name the mesh has, or any other string, unchanged."""
     names = tuple(mesh.axis_names)
     if axis in names or axis not in AXES or len(names) != len(AXES):
         return axis
@@ -290,8 +285,7 @@ def replica_count(mesh: Mesh) -> int:
     return size(mesh, REPLICA_AXIS)
 
 
-def seq_ways(mesh: Mesh) -> int:
-    """How many ways each example's sequence is split (context parallelism)."""
+def seq_ways(mesh: Mesh) -> int:  # how many ways each example's sequence is split (context parallelism)
     return size(mesh, SEQ_AXIS)
 
 

@@ -69,15 +69,14 @@ def test_zigzag_balances_the_causal_ring():
 
 
 def test_bad_lengths_and_heads():
-    mesh = jaxpar.make_mesh("seq=4")
     with pytest.raises(jaxpar.ConfigError, match=r"--seq-len 30: .* over seq=4; use a multiple of 4, e.g. --seq-len 28"):
-        cp.check_length(30, cp.ContextParallel("allgather", True, mesh))
+        cp.check_length(30, 4)
     with pytest.raises(jaxpar.ConfigError, match=r"x 2 chunks .* multiple of 8"):
-        cp.check_length(36, cp.ContextParallel("ring", True, mesh))
+        cp.check_length(36, 4, balanced=True)
     with pytest.raises(jaxpar.MeshError, match=r"only 3 positions, fewer than the 4 devices"):
-        cp.check_length(3, cp.ContextParallel("ring", True, mesh))
+        cp.check_length(3, 4, True)
     with pytest.raises(jaxpar.ConfigError, match=r"ulysses: 6 attention heads do not divide over seq=4"):
-        cp.check_heads(6, cp.ContextParallel("ulysses", True, mesh))
+        cp.check_heads(6, 4, "ulysses")
     with pytest.raises(jaxpar.ConfigError, match=r"choose one of allgather, ring, ulysses"):
         cp.ContextParallel("tree")
     with pytest.raises(jaxpar.ModelError, match=r"\[batch, length, heads, head_dim\]"):

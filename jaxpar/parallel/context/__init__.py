@@ -3,7 +3,8 @@
 
 from jaxpar.parallel.context.attention import attention
 from jaxpar.parallel.context.settings import (ALGORITHMS, ALLGATHER, DEFAULT, RING, ULYSSES, ContextParallel,
-                                              check_heads, check_length, current, running)
+                                              check_heads, check_length, current, running,
+                                              settings_for, traced)
 
 __all__ = ["ALGORITHMS", "ALLGATHER", "DEFAULT", "RING", "ULYSSES", "ContextParallel", "attention", "check_heads",
-           "check_length", "current", "running"]
+           "check_length", "current", "running", "settings_for", "traced"]

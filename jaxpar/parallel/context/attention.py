@@ -41,8 +41,8 @@ def attention(q, k, v, causal: bool = True, *, scale: float | None = None):
         positions = jnp.arange(q.shape[1])
         return blocks.attend(q, k, v, positions, positions, causal, scale)
     run = trace.settings
-    cp.check_length(q.shape[1], run, "the sequence reaching jaxpar.attention")
-    cp.check_heads(q.shape[2], run)
+    cp.check_length(q.shape[1], run.ways, run.balanced, "the sequence reaching jaxpar.attention")
+    cp.check_heads(q.shape[2], run.ways, run.algorithm)
     axis = mesh_lib.axis_name(run.mesh, mesh_lib.SEQ_AXIS)
     if run.algorithm == cp.RING:
         body = functools.partial(ring_attention, balanced=run.balanced)

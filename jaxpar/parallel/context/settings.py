@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpar.errors import ConfigError, MeshError
+from jaxpar.errors import ConfigError, MeshError, ModelError
 from jaxpar.parallel import mesh as mesh_lib
 
 ALLGATHER, RING, ULYSSES = "allgather", "ring", "ulysses"
@@ -72,23 +73,55 @@ def current() -> _Trace | None:
     return _CURRENT.get()
 
 
-def check_length(length: int, settings: ContextParallel, what: str = "the sequence") -> None:
-    """A sequence of `length` positions must split into equal blocks over the seq axis (two chunks per device for
-    the zig-zag ring): one line naming the length, the axis and what would work."""
-    ways = settings.ways
-    chunks = ways * (2 if settings.balanced else 1)
+def check_length(length: int, ways: int, balanced: bool = False, what: str = "the sequence") -> None:
+    """A sequence of `length` positions must split into equal blocks over `ways` seq devices (two chunks per device
+    for the zig-zag ring, `balanced`): one line naming the length, the axis and what would work."""
+    chunks = ways * (2 if balanced else 1)
     if length < ways:
         raise MeshError(f"--mesh {mesh_lib.SEQ_AXIS}={ways}: {what} has only {length} positions, fewer than the "
                         f"{ways} devices it is split over; use a smaller {mesh_lib.SEQ_AXIS} axis or a longer "
                         f"--seq-len")
     if length % chunks:
-        how = f" x 2 chunks per device for the zig-zag ring" if settings.balanced else ""
+        how = " x 2 chunks per device for the zig-zag ring" if balanced else ""
         raise ConfigError(f"--seq-len {length}: {what} does not split over {mesh_lib.SEQ_AXIS}={ways}{how}; use a "
                           f"multiple of {chunks}, e.g. --seq-len {max(chunks, length // chunks * chunks)}")
 
 
-def check_heads(heads: int, settings: ContextParallel) -> None:
-    if settings.algorithm == ULYSSES and heads % settings.ways:
+def check_heads(heads: int, ways: int, algorithm: str) -> None:
+    if algorithm == ULYSSES and heads % ways:
         raise ConfigError(f"--context-parallel {ULYSSES}: {heads} attention heads do not divide over "
-                          f"{mesh_lib.SEQ_AXIS}={settings.ways} (Ulysses gives each device heads / seq whole heads); "
-                          f"use a head count that divides by {settings.ways}, or --context-parallel {ALLGATHER}")
+                          f"{mesh_lib.SEQ_AXIS}={ways} (Ulysses gives each device heads / seq whole heads); use a "
+                          f"head count (--heads) that divides by {ways}, or --context-parallel {ALLGATHER}")
+
+
+def traced(fn, settings: ContextParallel):
+    """`fn` (a step or an evaluation, traced by jit) run under `running(settings)`; on a mesh with seq > 1, a trace
+    in which the model never called `jaxpar.attention` is a `ModelError`: its attention would see one block."""
+    if settings.ways == 1:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with running(settings) as trace:
+            out = fn(*args, **kwargs)
+        if not trace.calls:
+            raise ModelError(f"--mesh {mesh_lib.SEQ_AXIS}={settings.ways}: the model never called jaxpar.attention, "
+                             f"so its attention would see only each device's block of the sequence; call "
+                             f"jaxpar.attention(q, k, v) for attention (the built-in transformer does), or use a "
+                             f"mesh without {mesh_lib.SEQ_AXIS}")
+        return out
+
+    return run
+
+
+def settings_for(value, mesh) -> ContextParallel:
+    """`Trainer(context_parallel=...)`: None (the default algorithm), an algorithm's name or a `ContextParallel`,
+    bound to the trainer's mesh."""
+    if value is None:
+        value = ContextParallel()
+    elif isinstance(value, str):
+        value = ContextParallel(value)
+    elif not isinstance(value, ContextParallel):
+        raise ConfigError(f"context_parallel {value!r}: give one of {', '.join(ALGORITHMS)} or a "
+                          f"jaxpar.parallel.context.ContextParallel")
+    return ContextParallel(value.algorithm, value.zigzag, mesh)

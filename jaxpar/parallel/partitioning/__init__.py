@@ -38,6 +38,6 @@ __all__ = ["COMM_OWN", "DEFAULT_RULES", "LAYERS", "PER_REPLICA", "REPLICATED", "
            "constrain", "device_grid_spec", "factor_specs", "factor_splits", "fsdp_anywhere", "fsdp_reduce_specs",
            "fsdp_rows", "fsdp_split", "gathered_over", "is_variable", "leading_over_devices", "logical_names_of",
            "normalize_rules", "optimizer_shardings", "over_stages", "own_axes", "per_fsdp_device",
-           "replicate_within", "replicated", "replicated_specs", "restore_sharding", "sequence_blocks", "spec_for", "specs_of",
-           "split_axes", "stacked", "stage_row_shards", "stage_rows", "stage_rows_axis", "state_shardings",
-           "validate_rules", "within_replica_specs", "within_replica_splits"]
+           "replicate_within", "replicated", "replicated_specs", "restore_sharding", "sequence_blocks",
+           "spec_for", "specs_of", "split_axes", "stacked", "stage_row_shards", "stage_rows", "stage_rows_axis",
+           "state_shardings", "validate_rules", "within_replica_specs", "within_replica_splits"]
