@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jaxpar
 from jaxpar.errors import ConfigError
+from jaxpar.parallel.context import attention
 from jaxpar.pipeline import Stack
 from models.layers import dense, layer_norm, rms_norm
 
@@ -52,7 +52,7 @@ def rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, base: float = ROPE_BASE) 
 def causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(K)) v, each position attending to itself and the positions before it (softmax in f32):
     `jaxpar.attention`, so that a sequence split over the mesh's seq axis attends over every key."""
-    return jaxpar.attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal=True)
+    return attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal=True)
 
 
 def _out_projection(heads: int, head_dim: int, d_model: int, rngs: nnx.Rngs, dtype) -> nnx.LinearGeneral:
