@@ -44,10 +44,10 @@ def _reference(dropout, pipeline=None):
     return _REFERENCE[key]
 
 
-def _check(got, want):
+def _check(got, want, atol=PARAM_ATOL):
     np.testing.assert_allclose(got[0], want[0], rtol=LOSS_RTOL)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+        np.testing.assert_allclose(a, b, atol=atol)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", pytest.param("allgather", marks=pytest.mark.slow),

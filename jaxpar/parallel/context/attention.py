@@ -37,6 +37,7 @@ def attention(q, k, v, causal: bool = True, *, scale: float | None = None):
     trace = cp.current()
     if trace is not None:
         trace.calls += 1
+        trace.shapes.append((tuple(q.shape), q.dtype))
     if trace is None or trace.settings.ways == 1:
         positions = jnp.arange(q.shape[1])
         return blocks.attend(q, k, v, positions, positions, causal, scale)

@@ -53,6 +53,7 @@ class _Trace:
 
     def __init__(self, settings: ContextParallel):
         self.settings, self.calls = settings, 0
+        self.shapes: list = []  # (q's global shape, its dtype) of each call (the cost model's theory reads them)
 
 
 _CURRENT: contextvars.ContextVar[_Trace | None] = contextvars.ContextVar("jaxpar_context_parallel", default=None)
