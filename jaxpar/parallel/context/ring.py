@@ -1,6 +1,7 @@
 """Ring attention: each device keeps its query block and passes its key / value block around the seq axis with
 `ppermute`, S steps, merging each arriving block into an online softmax (`blocks.merge`), so no device ever holds
-more than two blocks of K/V (its own and the one in flight): memory O(L / S) where the all-gather needs O(L).
+more than two blocks of K/V (its own and the one in flight): memory O(L / S) where the all-gather needs O(L). Each
+step is rematerialised in the backward pass, so only its inputs (the running state and the block) are kept.
 
 Each step's permute is issued before the step's compute, so XLA may overlap the transfer of the next block with
 the current one's scores. Under a causal mask, blocks wholly in a device's future are skipped (`lax.switch`) and
@@ -9,6 +10,7 @@ the zig-zag layout balances what is left (`zigzag`). Runs inside a map manual ov
 
 from __future__ import annotations
 
+import jax
 from jax import lax
 
 from jaxpar.parallel.context import blocks, zigzag
@@ -41,6 +43,10 @@ def ring_attention(q, k, v, axis: str, ways: int, causal: bool, scale: float, ba
     branches = [None] * 4
     branches[zigzag.FULL], branches[zigzag.SKIP] = full, skip
     branches[zigzag.KEYS_FIRST], branches[zigzag.QUERIES_SECOND] = keys_first, queries_second
+    # each step recomputed in the backward pass (flash attention's trade): without it autodiff of `lax.switch` keeps
+    # every branch's residuals, the scores of a whole block per branch and step
+    step = jax.checkpoint(lambda state, k, v, k_pos, kind: lax.switch(kind, branches, state, k, v, k_pos),
+                          policy=jax.checkpoint_policies.nothing_saveable)
     shift = [(i, (i + 1) % ways) for i in range(ways)]
     state = blocks.empty(q)
     for t in range(ways):
@@ -49,7 +55,7 @@ def ring_attention(q, k, v, axis: str, ways: int, causal: bool, scale: float, ba
             k_next, v_next = lax.ppermute(k, axis, shift), lax.ppermute(v, axis, shift)
         k_pos = zigzag.positions(theirs, ways, block, balanced)
         kind = zigzag.step_kind(me, theirs, causal, balanced)
-        state = lax.switch(kind, branches, state, k, v, k_pos)
+        state = step(state, k, v, k_pos, kind)
         if t < ways - 1:
             k, v = k_next, v_next
     out = blocks.finish(state, v.dtype)
