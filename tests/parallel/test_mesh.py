@@ -11,7 +11,7 @@ from jaxpar.parallel.mesh import parse_mesh_spec, resolve_shape
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# shapes are (data, stage, fsdp, model)
+# shapes are (data, stage, fsdp, seq, model)
 @pytest.mark.parametrize("spec, shape", [
     ("8", (8, 1, 1, 1, 1)), ("2x4", (2, 1, 1, 1, 4)), ("2x2x2", (2, 1, 2, 1, 2)), ("data=2,model=4", (2, 1, 1, 1, 4)),
     ("model=4,data=2", (2, 1, 1, 1, 4)), ("model=8", (1, 1, 1, 1, 8)), ("-1", (-1, 1, 1, 1, 1)), ("-1x4", (-1, 1, 1, 1, 4)),

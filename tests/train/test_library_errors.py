@@ -91,7 +91,7 @@ def test_malformed_rules(rules, message):
 def test_mesh_not_from_make_mesh():
     factory, loss = models.factory(TINY["mlp"]), models.LOSSES["mlp"]
     with raises(MeshError, r"^mesh with axes \('x',\): jaxpar needs a mesh from jaxpar.make_mesh with axes data, "
-                           r"stage, fsdp, model"):
+                           r"stage, fsdp, seq, model"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), jax.make_mesh((8,), ("x",)))
     mixed = (AxisType.Explicit, AxisType.Auto, AxisType.Auto, AxisType.Auto, AxisType.Auto)
     with raises(MeshError, r"^mesh with axis types .*: jaxpar needs all axes AxisType.Auto or all AxisType.Explicit"):
