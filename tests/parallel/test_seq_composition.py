@@ -1,7 +1,8 @@
 """The seq axis composed with every strategy, gradient compression and accumulation: splitting each sequence over
 seq changes nothing a strategy computes, so a strategy on data=2,seq=2 equals the same strategy on data=2 (losses
 rtol 1e-4, parameters atol 1e-4 after 3 steps at lr 0.5, dropout 0: the split sums attention in another order;
-1e-3 under a codec, where one int8 code or bf16 value of a gradient can round one step apart); a checkpoint saved on seq=4 restores on one device
+under a codec a gradient value can round one step apart: 1e-3 for bf16, 5e-3 for int8, whose step is max|g| / 127
+of a buffer, times lr 0.5; measured 2.4e-3 on 16 of 8192 embedding entries); a checkpoint saved on seq=4 restores on one device
 (parameters are never split over seq)."""
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 import jaxpar
 from tests.parallel.test_seq_equivalence import LOSS_RTOL, PARAM_ATOL, _batches, _check, _run
 
-STRATEGY_ATOL, CODEC_ATOL = 1e-4, 1e-3
+STRATEGY_ATOL, CODEC_ATOL = 1e-4, {"bf16": 1e-3, "int8": 5e-3}
 
 
 @pytest.mark.slow
@@ -24,7 +25,7 @@ STRATEGY_ATOL, CODEC_ATOL = 1e-4, 1e-3
     ("asp", lambda: jaxpar.ASP(stragglers="1:2"))])
 def test_every_strategy_is_unchanged_by_the_seq_split(name, make):
     _check(_run("data=2,seq=2", 0.0, strategy=make(), context_parallel="ring"), _run("data=2", 0.0, strategy=make()),
-           atol=CODEC_ATOL if "8" in name or "bf16" in name else STRATEGY_ATOL)
+           atol=CODEC_ATOL.get(name.rsplit("-", 1)[-1], STRATEGY_ATOL))
 
 
 @pytest.mark.slow
