@@ -78,6 +78,9 @@ BENCHMARKS = [
     Benchmark("stages", "stages", [], ["--parts", "memory,bubble,speed", "--rounds", "2", "--steps", "3"],
               {True: 300, False: 1500}, "the pipelined transformer: equivalence (full mode), memory and bubble "
               "against M, stage=4 against data=4 steps/s"),
+    Benchmark("context", "context", [], ["--parts", "balance,traffic,speed", "--rounds", "2", "--steps", "3"],
+              {True: 300, False: 2400}, "the seq axis: causal balance, bytes over seq against theory, seq=4 "
+              "against data=4 steps/s; memory at --seq-len 4096 for seq=1..8 (full mode)"),
     Benchmark("replica_compute", "replica_compute", [], None, {True: 0, False: 600},
               "FLOPs, temporaries and collective bytes per device of the explicit strategies on "
               "data=2,fsdp=2,model=2 against Sync() (full mode only; no training)"),

@@ -42,6 +42,16 @@ def test_factorizations_are_every_ordered_product():
     assert advisor.mesh_specs(2) == ["data=2,fsdp=1,model=1", "data=1,fsdp=2,model=1", "data=1,fsdp=1,model=2"]
 
 
+def test_long_sequences_add_seq_meshes():
+    from jaxpar.advisor.candidates import LONG_SEQUENCE, long_sequence
+
+    assert advisor.mesh_specs(2, seq=True) == ["data=2,fsdp=1,seq=1,model=1", "data=1,fsdp=2,seq=1,model=1",
+                                               "data=1,fsdp=1,seq=2,model=1", "data=1,fsdp=1,seq=1,model=2"]
+    assert len(advisor.mesh_specs(8, seq=True)) == 20 and len(advisor.mesh_specs(8)) == 10
+    assert long_sequence({"tokens": jax.ShapeDtypeStruct((4, LONG_SEQUENCE + 1), np.int32)})
+    assert not long_sequence({"tokens": np.zeros((4, 129), np.int32)}) and not long_sequence(BATCH)
+
+
 def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     slow_data = "flops=1e12,alpha=1e-6,bandwidth=1e12,data.alpha=1e-3,data.bandwidth=1e6"
     result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, slow_data, 4, meshes=MESHES, remats=("none",))

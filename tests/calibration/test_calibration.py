@@ -81,7 +81,7 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     assert code == 0
     profile = json.loads(out.read_text())
     assert profile["flops"] > 0 and set(profile["links"]) == {"data", "stage", "fsdp", "model"}
-    assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "model": 4}
+    assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "seq": 1, "model": 4}
     assert os.listdir(tmp_path) == ["machine.json"]
     assert f"use it with run.py --hardware {out}" in capsys.readouterr().err
     loaded = jaxpar.parse_hardware(str(out))  # what --hardware FILE reads
@@ -347,7 +347,7 @@ def test_without_a_mesh_a_cpu_machine_gets_the_devices_run_py_makes(module, tmp_
                             cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(out.read_text())["calibration"]["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "model": 1}
+    assert json.loads(out.read_text())["calibration"]["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "seq": 1, "model": 1}
 
 
 @pytest.mark.slow

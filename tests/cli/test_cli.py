@@ -23,7 +23,7 @@ def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
     done = cli("--mesh", "2x4", "--steps", "4", "--log-every", "2", "--metrics", str(metrics))
     assert done.returncode == 0, done.stderr
-    assert "on mesh data=2 x stage=1 x fsdp=1 x model=4 (8 cpu devices)" in done.stdout
+    assert "on mesh data=2 x stage=1 x fsdp=1 x seq=1 x model=4 (8 cpu devices)" in done.stdout
     assert "step 4/4" in done.stdout and "held-out at step 4:" in done.stdout
     config, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert config["mesh"] == "2x4" and config["steps"] == 4 and config["layers"] == 2 and config["hidden"] is None
@@ -111,7 +111,7 @@ def test_large_digits_batch_still_evaluates_the_whole_test_split(capsys):
 def test_config_preset_with_flag_override(tmp_path, capsys):
     assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
-    assert "jaxpar: mlp" in out and "on mesh data=8 x stage=1 x fsdp=1 x model=1" in out and "step 3/3" in out
+    assert "jaxpar: mlp" in out and "on mesh data=8 x stage=1 x fsdp=1 x seq=1 x model=1" in out and "step 3/3" in out
 
 
 @pytest.mark.parametrize("args, message", [

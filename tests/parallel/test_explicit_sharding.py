@@ -81,14 +81,14 @@ def test_the_model_fails_without_a_mesh_in_scope():
 
 def test_make_mesh_with_the_models_own_names():
     mesh = jaxpar.make_mesh("fsdp=4,tp=2", roles=ROLES, axis_types="explicit")
-    assert mesh.axis_names == ("data", "stage", "fsdp", "tp")
-    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tp": 2}
+    assert mesh.axis_names == ("data", "stage", "fsdp", "seq", "tp")
+    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tp": 2}
     assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
     auto = jaxpar.make_mesh("data=2,fsdp=2,tp=2", roles=ROLES)
-    assert auto.axis_names == ("data", "stage", "fsdp", "tp")
+    assert auto.axis_names == ("data", "stage", "fsdp", "seq", "tp")
     assert all(t == jax.sharding.AxisType.Auto for t in auto.axis_types)
     today = jaxpar.make_mesh("2x4")
-    assert today.axis_names == ("data", "stage", "fsdp", "model")
+    assert today.axis_names == ("data", "stage", "fsdp", "seq", "model")
     assert all(t == jax.sharding.AxisType.Auto for t in today.axis_types)
 
 

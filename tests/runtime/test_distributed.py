@@ -37,8 +37,8 @@ def fake_devices(local=4, processes=2, interleaved=False):
 def ids(grid):
     """Device ids of a (data, stage, fsdp, model) grid without stages (a mesh spec that names no stage), as a
     (data, fsdp, model) nested list."""
-    assert grid.shape[1] == 1
-    return np.vectorize(lambda d: d.id)(grid[:, 0]).tolist()
+    assert grid.shape[1] == 1 and grid.shape[3] == 1
+    return np.vectorize(lambda d: d.id)(grid[:, 0, :, 0]).tolist()
 
 
 @pytest.mark.parametrize("spec, expected", [
