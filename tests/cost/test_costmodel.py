@@ -51,7 +51,7 @@ def test_custom_profile_gives_its_numbers_to_every_axis():
     assert profile.name == "flops=100e12,alpha=1e-5,bandwidth=12.5e9"
     # per-axis items beat the all-axes ones, whatever their order
     mixed = parse_hardware("flops=1e12,data.bandwidth=2e9,alpha=0,bandwidth=1e9")
-    assert [mixed.links[a] for a in AXES] == [Link(0.0, 2e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
+    assert [mixed.links[a] for a in AXES] == [Link(0.0, 2e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
     staged = parse_hardware("flops=1e12,alpha=0,bandwidth=1e9,stage.bandwidth=3e9")
     assert [staged.links[a] for a in AXES] == [Link(0.0, 1e9), Link(0.0, 3e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
 
