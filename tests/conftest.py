@@ -23,8 +23,12 @@ import tempfile  # noqa: E402
 
 # Many tests build identical trainers (the same model, mesh and strategy): JAX's persistent compilation cache,
 # keyed by the compiled program, lets later ones skip XLA compilation. A fresh folder per session: nothing stale.
-_cache = tempfile.mkdtemp(prefix="jaxpar-test-cache-")
-atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+# pytest-xdist's workers inherit the controller's environment, so they share one folder (the controller's, which
+# it removes at exit); a lone pytest process makes and removes its own.
+_cache = os.environ.get("JAXPAR_TEST_CACHE")
+if _cache is None or not os.path.isdir(_cache):
+    _cache = os.environ["JAXPAR_TEST_CACHE"] = tempfile.mkdtemp(prefix="jaxpar-test-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
