@@ -52,6 +52,7 @@ def test_long_sequences_add_seq_meshes():
     assert not long_sequence({"tokens": np.zeros((4, 129), np.int32)}) and not long_sequence(BATCH)
 
 
+@pytest.mark.slow
 def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     slow_data = "flops=1e12,alpha=1e-6,bandwidth=1e12,data.alpha=1e-3,data.bandwidth=1e6"
     result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, slow_data, 4, meshes=MESHES, remats=("none",))
@@ -68,6 +69,7 @@ def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     assert result["plans"][0].flags.startswith("--mesh data=4,fsdp=1,model=1 --strategy ")
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_ranks_after_every_plan_that_does():
     roomy = advisor.advise(Wide, loss, optax.adam(1e-3), BATCH, "a100-nvlink", 4, meshes=MESHES, remats=("none",))
     sync = {c.mesh: c.memory for c in roomy["plans"] if c.strategy == "sync"}

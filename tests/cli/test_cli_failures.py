@@ -167,6 +167,7 @@ def test_lr_schedule_of_a_billion_steps_is_built_from_the_ramp_stages():
         [0.1, 0.1, 0.2, 0.2, 0.4, 0.4])
 
 
+@pytest.mark.slow
 def test_the_simulated_clock_matches_a_clock_computed_by_hand_and_is_lazy():
     # 3 replicas, replica 1 twice as slow (compute 1, 2, 1 per step), unit compute, free communication.
     stragglers = parse_stragglers("1:2.0")

@@ -16,6 +16,7 @@ CONFIG = Config(model="transformer", layers=2, d_model=32, heads=8, d_ff=64, seq
 
 @pytest.mark.parametrize("algorithm", ["ring", pytest.param("allgather", marks=pytest.mark.slow),
                                        pytest.param("ulysses", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_seq_traffic_equals_theory(algorithm):
     trainer = jaxpar.Trainer(model=models.factory(CONFIG), loss_fn=models.LOSSES["transformer"],
                              optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("seq=4"), context_parallel=algorithm)

@@ -46,6 +46,7 @@ def test_on_data_parallel_meshes_the_guard_adds_no_collective(monkeypatch, mesh,
 
 @pytest.mark.parametrize("mesh,strategy", [("2x4", None), ("data=2,fsdp=2,model=2", None), ("4x2", jaxpar.Sync("ring"))],
                          ids=["2x4-compiler", "fsdp-model-compiler", "4x2-ring"])
+@pytest.mark.slow
 def test_on_split_parameters_the_guard_costs_four_bytes_within_the_replica_and_nothing_over_data(
         monkeypatch, mesh, strategy):
     """Where parameters are split within a replica (model, fsdp) the flag needs one scalar all-reduce over those

@@ -44,6 +44,7 @@ def measured():
     return trainer, fit.what_fits(trainer, batch_of(trainer, 16), "sync")
 
 
+@pytest.mark.slow
 def test_each_policy_is_compiled_under_its_own_remat(measured):
     _, advice = measured
     p = advice["policies"]
@@ -62,6 +63,7 @@ def test_each_policy_is_compiled_under_its_own_remat(measured):
     assert not s["largest"]["compiled"] and s["largest"]["bytes"] <= 80e9
 
 
+@pytest.mark.slow
 def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured):
     trainer, before = measured
     p = before["policies"]
@@ -75,6 +77,7 @@ def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured)
     assert largest["compiled"] and 16 < largest["batch"] <= fit.VERIFY_UP_TO * 16 and largest["bytes"] <= budget
 
 
+@pytest.mark.slow
 def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compiled(measured):
     trainer, before = measured
     p = before["policies"]
@@ -90,6 +93,7 @@ def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compile
     assert total == s["bytes"]
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_the_budget_is_told_to_split():
     trainer = transformer(hardware="a100-nvlink,memory=1000")
     advice = fit.what_fits(trainer, batch_of(trainer, 16), "sync")

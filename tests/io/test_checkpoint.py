@@ -62,6 +62,7 @@ def test_a_checkpoint_from_2x4_restores_identically_on_another_mesh_and_trains_o
     np.testing.assert_allclose(float(metrics["loss"]), next_loss, rtol=1e-6)  # the mesh-invariance tolerance
 
 
+@pytest.mark.slow
 def test_local_sgd_replicas_are_averaged_on_another_replica_count_and_said_once(tmp_path):
     trainer, state = trained("2x4", jaxpar.LocalSGD(period=2))  # step 3: replicas apart since the meeting at 2
     replicas = jax.device_get(state.strategy_state["params"])
@@ -97,6 +98,7 @@ def test_ssp_restores_exactly_and_a_checkpoint_moves_between_strategies(tmp_path
     assert leaves_equal(jax.device_get(moved.opt_state), jax.device_get(state.opt_state))
 
 
+@pytest.mark.slow
 def test_diloco_keeps_its_outer_optimizer_state_on_another_replica_count(tmp_path):
     """The restore table (`strategy_notes`, keyed by class): DiLoCo's anchor optimizer state carries over exactly
     while its replicas are averaged as local SGD's are."""

@@ -31,6 +31,7 @@ def test_round_keys_are_std_seed_seq():
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 255, 256, 257, 1497, 65536, 65537, 70_001, 1 << 20])
 @pytest.mark.parametrize("seed", [0, 1, 12345, 2**32 - 1])
+@pytest.mark.slow
 def test_permute_is_grains_index_shuffle(n, seed):
     indices = np.arange(n) if n <= 4096 else np.random.default_rng(n).integers(0, n, 1500)
     expected = [index_shuffle_module.index_shuffle(int(i), max_index=n - 1, seed=seed, rounds=4) for i in indices]
@@ -38,6 +39,7 @@ def test_permute_is_grains_index_shuffle(n, seed):
 
 
 @pytest.mark.parametrize("n, seed", [(10, 0), (10, 3), (1497, 0), (1497, 7), (33_000, 1), (5, 2**32 - 2)])
+@pytest.mark.slow
 def test_stream_is_grains_order_across_epochs(n, seed):
     positions = np.concatenate([np.arange(0, min(3 * n, 3000)), np.arange(n - 100, n + 100) % (3 * n),
                                 np.arange(7 * n - 50, 7 * n + 50)])
@@ -81,6 +83,7 @@ def test_batches_draw_grains_rows_for_one_process_and_for_its_share():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 1497, 16_385, 65_536, 65_537, 100_000])
+@pytest.mark.slow
 def test_a_whole_epoch_by_pointer_jumping_is_the_walked_one(n):
     from jaxpar.io.index_stream import whole_permutation
 

@@ -96,6 +96,7 @@ def _reference(model, block):
 
 
 @pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.slow
 def test_stacked_losses_equal_the_unstacked_loop_over_the_same_blocks(block):
     # SGD: Adam's normalised step turns last-bit differences of a near-zero gradient into lr-sized ones
     tx = optax.sgd(0.5)
@@ -221,6 +222,7 @@ def test_an_odd_head_width_is_refused_for_rotary_positions():
 
 
 # --- dropout: call-time rngs ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_dropout_draws_from_call_time_rngs_and_follows_the_seed_on_every_mesh():
     _, reference = train(trainer_for("1x1", dropout=0.1))
     _, again = train(trainer_for("1x1", dropout=0.1))
@@ -242,6 +244,7 @@ def test_dropout_on_a_stage_mesh_equals_1x1_with_the_same_microbatches(schedule)
     np.testing.assert_allclose(losses, reference, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_the_built_in_loss_passes_rngs_to_dropout_and_keeps_label_smoothing():
     model = build(LLAMA, dropout=0.1)
     model.head.kernel[...] = model.head.kernel[...] * 100  # confident logits: smoothing changes the loss
@@ -340,6 +343,7 @@ def test_unstacked_parameters_convert_to_the_stacked_layout():
         convert.stack_blocks({"blocks": {0: {"w": np.zeros(2)}, 1: {"w": np.zeros(3)}}})
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_unstacked_model_restores_into_the_stacked_gpt_model(tmp_path):
     """Written by the old model (adamw, sync on 2x4, 2 steps), restored onto the stacked gpt model on another mesh:
     parameters and optimizer state stacked, and the next steps' losses equal the old model's."""

@@ -216,6 +216,7 @@ def test_a_compressed_sync_run_trains(mesh, algorithm, codec):
 
 @pytest.mark.parametrize("algorithm,codec", [("psum", "bf16"), ("psum", "fp16"), ("psum", "int8"),
                                              ("psum", "powersgd:2"), ("ring", "bf16"), ("ring", "int8")])
+@pytest.mark.slow
 def test_compiled_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):
     trainer = trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce=algorithm, compress=codec))
     trainer.init(0)
@@ -228,6 +229,7 @@ def test_compiled_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):
 
 @pytest.mark.parametrize("mesh,algorithm", [("2x4", "psum"), ("2x4", "ring"), ("data=2,fsdp=2,model=2", "psum"),
                                             ("data=2,fsdp=2,model=2", "ring"), ("4x2", "ps")])
+@pytest.mark.slow
 def test_powersgd_sends_each_devices_rows_of_its_factors_when_a_replica_spans_devices(mesh, algorithm):
     """The digits MLP's W1 (64 x 128) is split over model by columns, W2 (128 x 10) by rows: each device sends its
     rows of the factors split like the matrix, the count says so, and the compiled step sends exactly that (plus
@@ -248,6 +250,7 @@ def test_powersgd_sends_each_devices_rows_of_its_factors_when_a_replica_spans_de
 
 
 @pytest.mark.parametrize("mesh,algorithm", [("2x4", "ring"), ("data=2,fsdp=2,model=2", "psum")])
+@pytest.mark.slow
 def test_powersgd_on_a_replica_of_several_devices_equals_it_on_a_replica_of_one(mesh, algorithm):
     """Splitting the factors' exchange over model / fsdp changes who sends which rows, not the mean: 4 steps of
     PowerSGD R=2 with error feedback on `mesh` give the parameters of the same run on 2 devices (one per replica),

@@ -150,6 +150,7 @@ def test_compress_none_is_todays_step_bit_for_bit_on_fsdp_and_model():
 
 
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,model=2", "data=2,fsdp=4"])
+@pytest.mark.slow
 def test_compressed_fsdp_training_keeps_replicas_identical_and_tracks_uncompressed(mesh):
     _, _, plain = params_after(jaxpar.Sync("psum"), mesh, steps=6)
     for codec in ("bf16", "fp16", "int8", "powersgd:2"):

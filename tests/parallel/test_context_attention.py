@@ -28,6 +28,7 @@ def _plain(q, k, v, causal):
 @pytest.mark.parametrize("algorithm, causal, zz", [
     ("allgather", True, False), ("allgather", False, False), ("ring", True, True), ("ring", True, False),
     ("ring", False, True), ("ulysses", True, False), ("ulysses", False, False)])
+@pytest.mark.slow
 def test_each_algorithm_equals_plain_attention(algorithm, causal, zz):
     mesh = jaxpar.make_mesh("data=2,seq=4")
     q, k, v = _qkv()

@@ -54,6 +54,7 @@ def _check(got, want, atol=PARAM_ATOL):
 
 @pytest.mark.parametrize("algorithm", ["ring", pytest.param("allgather", marks=pytest.mark.slow),
                                        pytest.param("ulysses", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_seq4_equals_one_device_with_dropout(algorithm):
     _check(_run("seq=4", 0.1, context_parallel=algorithm), _reference(0.1))
 

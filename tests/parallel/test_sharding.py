@@ -99,6 +99,7 @@ def test_flax_list_rules_take_the_first_rule_whose_mesh_axis_is_still_free():
         spec_for(("embed", "embed"), {"embed": "fsdp"}, mesh, "x", (4, 4))  # a dict keeps its strict meaning
 
 
+@pytest.mark.slow
 def test_lm1b_rules_work_unchanged_in_form_and_train_like_the_defaults():
     import numpy as np
     losses = {}

@@ -100,6 +100,7 @@ def test_circular_with_two_repeats_on_four_stages_equals_the_unpipelined_stack()
 
 
 @pytest.mark.parametrize("pipeline", SCHEDULES, ids=lambda p: p.schedule)
+@pytest.mark.slow
 def test_pipelined_training_equals_the_unpipelined_stack_without_dropout(pipeline):
     assert_same(train("data=2,stage=2,model=2", pipeline, rate=0.0), reference(4, 0.0))
 
@@ -167,6 +168,7 @@ def test_circular_needs_as_many_microbatches_as_stages():
         train("stage=4", Pipeline("circular", 2, repeats=2), layers=8)
 
 
+@pytest.mark.slow
 def test_1f1b_refuses_a_stack_called_twice_per_step():
     """Calling one stack twice once gave a wrong loss silently (2.8527 on 1x1 and GPipe, 1.9167 under 1F1B)."""
     class Twice(Net):

@@ -25,6 +25,7 @@ def flops_per_device(strategy, variant, rows=128):
     return loop_flops(compiled, step_flops(compiled)).per_device
 
 
+@pytest.mark.slow
 def test_explicit_strategies_do_sync_flops_per_device_on_an_fsdp_x_model_mesh():
     sync = flops_per_device(jaxpar.Sync(), "sync")
     for strategy, variant in ((jaxpar.Sync("psum"), "sync"), (jaxpar.LocalSGD(period=2), "local")):
@@ -80,6 +81,7 @@ def test_every_device_of_a_replica_draws_its_own_dropout_masks():
             assert not np.array_equal(kept[i], kept[j]), (i, j)
 
 
+@pytest.mark.slow
 def test_a_batchnorm_model_keeps_each_replicas_whole_slice_for_its_statistics():
     """The CNN's BatchNorm statistics must be over the replica's slice, not over one fsdp device's share of it: on
     data=2,fsdp=2,model=2 it trains exactly as on two devices (data=2 alone), the statistics included."""

@@ -77,6 +77,7 @@ def assert_same_adam_params(a, b, lr, steps):
     assert np.abs(x - y).max() <= 2 * lr * steps
 
 
+@pytest.mark.slow
 def test_ssp_zero_and_post_local_sync_phase_equal_sync_with_adam_too():
     reference_trainer, reference_state, _ = train(jaxpar.Sync(), "4x2", optimizer=optax.adam(1e-2))
     for strategy in (jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=3, local_after=5)):
@@ -84,6 +85,7 @@ def test_ssp_zero_and_post_local_sync_phase_equal_sync_with_adam_too():
         assert_same_adam_params(trainer.params(state), reference_trainer.params(reference_state), 1e-2, 5)
 
 
+@pytest.mark.slow
 def test_diloco_with_outer_sgd_lr_1_is_local_sgd_and_nesterov_differs():
     local_trainer, local_state, _ = train(jaxpar.LocalSGD(period=2), "4x2", steps=6)
     diloco_trainer, diloco_state, _ = train(jaxpar.DiLoCo(period=2, outer_optimizer=optax.sgd(1.0)), "4x2", steps=6)
@@ -109,6 +111,7 @@ def test_local_sgd_schedule_divergence_and_one_compile_per_variant():
         np.testing.assert_allclose(replica_params[r], trainer.params(state)["hidden"]["kernel"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_replica_state_is_sharded_over_data_and_keeps_tensor_parallelism():
     trainer, state, _ = train(jaxpar.LocalSGD(period=2), "2x4", steps=1)
     kernel = state.strategy_state["params"]["hidden"]["kernel"]
@@ -123,6 +126,7 @@ def compiled_stats(trainer, state, variant, model="mlp"):
     return collective_stats(trainer._steps[variant].lower(state, batch, inputs).compile())
 
 
+@pytest.mark.slow
 def test_local_step_has_no_cross_replica_collective_on_parameters():
     trainer = trainer_for("mlp", "8x1", strategy=jaxpar.LocalSGD(period=4))
     state = trainer.init(0)
@@ -144,6 +148,7 @@ def mlp_loss(params, images, labels):
 @pytest.mark.parametrize("strategy_factory, bound", [(lambda s: jaxpar.SSP(staleness=1, stragglers=s), 1),
                                                      (lambda s: jaxpar.ASP(stragglers=s, horizon=12), None)],
                          ids=["ssp1", "asp"])
+@pytest.mark.slow
 def test_stale_updates_replay_the_simulated_parameter_server_exactly(strategy_factory, bound):
     """Reference: a plain single-device loop that applies, at each server update, the mean gradient of the
     participants, each computed on the parameter version it read and its own slice of that step's batch."""

@@ -122,6 +122,7 @@ def logits_in_train_mode(trainer, factory, state, images):
     return np.asarray(metrics["logits"])
 
 
+@pytest.mark.slow
 def test_sync_batchnorm_equals_single_device_batchnorm_on_the_whole_batch():
     images = batch_for("cnn", size=16)["image"]
     trainer, factory = cnn_trainer("2x4", bn_groups=1)
@@ -155,6 +156,7 @@ def test_batchnorm_running_averages_stay_identical_across_replicas(bn_groups):
     assert np.abs(shards[0]).max() > 0  # the statistics did move
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_master_weights_and_optimizer_state():
     config = TINY["transformer"].replace(dtype="bfloat16", dropout=0.0)
     trainer = jaxpar.Trainer(models.factory(config), models.LOSSES["transformer"], optax.adam(1e-3),

@@ -104,6 +104,7 @@ def test_remat_works_in_a_gpipe_pipeline():
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_remat_works_under_local_sgd(model):
     make, batches = MODELS[model]
     strategy = jaxpar.LocalSGD(period=8)  # 3 local steps: one step variant to compile

@@ -10,6 +10,7 @@ from jaxpar.io import data
 from tests.helpers import batch_for, trainer_for
 
 
+@pytest.mark.slow
 def test_step_is_compiled_once():
     trainer = trainer_for("transformer", "2x4", dropout=0.1)
     state = trainer.init(0)
