@@ -78,13 +78,24 @@ BENCHMARKS = [
     Benchmark("stages", "stages", [], ["--parts", "memory,bubble,speed", "--rounds", "2", "--steps", "3"],
               {True: 300, False: 1500}, "the pipelined transformer: equivalence (full mode), memory and bubble "
               "against M, stage=4 against data=4 steps/s"),
+    Benchmark("context", "context", [], ["--parts", "balance,traffic,speed", "--rounds", "2", "--steps", "3"],
+              {True: 300, False: 2400}, "the seq axis: causal balance, bytes over seq against theory, seq=4 "
+              "against data=4 steps/s; memory at --seq-len 4096 for seq=1..8 (full mode)"),
     Benchmark("replica_compute", "replica_compute", [], None, {True: 0, False: 600},
               "FLOPs, temporaries and collective bytes per device of the explicit strategies on "
               "data=2,fsdp=2,model=2 against Sync() (full mode only; no training)"),
     Benchmark("checkpoint", "checkpoint", [], None, {True: 0, False: 900},
               "cost of checkpointing every 10 steps (full mode only)"),
+    Benchmark("simulator", "simulator", [], ["--rounds", "1"], {True: 60, False: 120},
+              "the event simulator SSP / ASP plan with: seconds for 20,000 updates with stragglers and jitter"),
     Benchmark("data_reads", "data_reads", [], ["--steps", "100"], {True: 180, False: 300},
               "bytes of the text corpus each process reads: 1 process against 2 (no training)"),
+    Benchmark("ray_async", "ray_async", ["--steps", "400"], None, {True: 0, False: 900},
+              "--runtime ray: asp / ssp2 / sync wall time with a 3x straggler of 4, the server's round trip"),
+    Benchmark("input_pipeline", "input_pipeline", [], ["--sizes", "512,4096", "--seconds", "0.3", "--rounds", "3",
+                                                       "--steps", "50"], {True: 240, False: 600},
+              "host ms per global batch (old per-example index path vs vectorized); mlp steps/s fed by run.py's "
+              "pipeline vs device-resident batches"),
 ]
 
 

@@ -15,6 +15,7 @@ from jaxpar.cost.hardware import PROFILES, Profile, parse_hardware
 from jaxpar.errors import (CheckpointError, ConfigError, DataError, FitError, JaxparError, MeshError, ModelError,
                            OptionError, ResourceError, ShardingError, StateError)
 from jaxpar.parallel.collectives import Communicator, communicator
+from jaxpar.parallel.context import attention
 from jaxpar.parallel.mesh import make_mesh
 from jaxpar.parallel.partitioning import DEFAULT_RULES
 from jaxpar import pipeline
@@ -41,7 +42,7 @@ sys.modules[__name__ + ".distributed"] = distributed
 __all__ = ["ASP", "Action", "CheckpointError", "Checkpointer", "Communicator", "Config", "ConfigError", "DEFAULT_RULES",
            "DataError", "DeviceError", "DiLoCo", "Evaluate", "FitError", "JaxparError", "LocalSGD", "MeshError",
            "ModelError", "OptionError", "PROFILES", "Pipeline", "Profile", "ResourceError", "SSP", "ShardingError", "StateError",
-           "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "communicator", "distributed",
+           "Stack", "StepEvent", "Sync", "Trace", "TrainState", "Trainer", "actions", "attention", "communicator", "distributed",
            "explain", "format_explain", "from_linen", "make_mesh", "parse_hardware", "pipeline", "plan", "use_compile_cache"]
 
 

@@ -12,6 +12,9 @@ Logical axes: `vocab` (embedding rows, output classes), `embed` (d_model), `head
 d_ff and vocab are split over `model` (Megatron-style tensor parallelism: q/k/v and the MLP's first layers column
 parallel, the attention output and the MLP's last layer row parallel), and layers over `stage` (pipeline stages).
 
+Attention is `jaxpar.attention`: on a mesh with a seq axis the sequence is split over it (context parallelism) and
+RoPE and the causal mask keep global positions (the model sees the whole sequence, `jnp.arange(L)`).
+
 Dropout (after the embedding, after attention, after the MLP) draws from call-time rngs, `model(tokens, rngs=rngs)`:
 the modules own no RNG streams, so the stack can follow microbatches through pipeline stages.
 """
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.parallel.context import attention
 from jaxpar.pipeline import Stack
 from models.layers import dense, layer_norm, rms_norm
 
@@ -46,13 +50,9 @@ def rope(x_BxLxHxK: jax.Array, positions_L: jax.Array, base: float = ROPE_BASE) 
 
 
 def causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K)) v, each position attending to itself and the positions before it (softmax in f32)."""
-    length = q_BxLxHxK.shape[1]
-    scores_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q_BxLxHxK, k_BxLxHxK) / jnp.sqrt(q_BxLxHxK.shape[-1])
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    scores_BxHxLxL = jnp.where(causal, scores_BxHxLxL.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
-    return jnp.einsum("bhqs,bshk->bqhk", probs, v_BxLxHxK)  # BxLxHxK
+    """softmax(q k^T / sqrt(K)) v, each position attending to itself and the positions before it (softmax in f32):
+    `jaxpar.attention`, so that a sequence split over the mesh's seq axis attends over every key."""
+    return attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal=True)
 
 
 def _out_projection(heads: int, head_dim: int, d_model: int, rngs: nnx.Rngs, dtype) -> nnx.LinearGeneral:

@@ -26,7 +26,7 @@ def draw(batches, count):
 
 config = Config(model="transformer", seq_len=SEQ_LEN, seed=3)
 rows = BatchPlacer(jaxpar.make_mesh(f"data={jax.process_count()}")).local_rows
-train, held_out = datasets(config, lambda step: BATCH, BATCH)
+train, _ = datasets(config, lambda step: BATCH, BATCH)  # as run.py builds them: read ahead in a background thread
 train.rows = rows
 first = draw(train, 3)
 state = train.get_state()
@@ -34,8 +34,14 @@ rest = draw(train, 2)
 resumed, _ = datasets(config, lambda step: BATCH, BATCH)
 resumed.rows = rows
 resumed.set_state(state)
+resumed_rows = draw(resumed, 2)
+train.close(), resumed.close()
+# the bytes a process reads for 7 batches and one held-out batch, counted without batches built ahead
+counted, held_out = datasets(config, lambda step: BATCH, BATCH)
+counted.rows, counted.read_ahead = rows, 0
+draw(counted, 7)
 evaluated = next(data.Batches(held_out, BATCH, seed=0, shuffle=False, rows=rows))["tokens"]
-corpus = train.source.tokens.corpus
-np.savez(f"{sys.argv[1]}{jax.process_index()}.npz", first=first, rest=rest, resumed=draw(resumed, 2),
+corpus = counted.source.tokens.corpus
+np.savez(f"{sys.argv[1]}{jax.process_index()}.npz", first=first, rest=rest, resumed=resumed_rows,
          evaluated=evaluated, rows=rows(BATCH), corpus_bytes=len(corpus),
-         bytes_read=corpus.bytes_read + resumed.source.tokens.corpus.bytes_read)  # (held_out shares `corpus`)
+         bytes_read=corpus.bytes_read)  # (held_out shares `corpus`)

@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple
 import jax
 
 from jaxpar.advisor.candidates import (ALLREDUCE, COMPILED, COMPRESS, DEFAULT_CODECS, DEFAULT_PERIODS, DEFAULT_REMATS,
-                                       PERIOD, Candidate, Choice, mesh_specs, strategy_choices)
+                                       PERIOD, Candidate, Choice, long_sequence, mesh_specs, strategy_choices)
 from jaxpar.advisor.compiling import compiled_meshes
 from jaxpar.advisor.prices import (allreduce_seconds, codec_seconds, exchange_seconds, fsdp_leg_seconds,
                                    remat_ratios, resharding_seconds)
@@ -128,7 +128,8 @@ def advise(model: Callable, loss_fn: Callable, optimizer, batch, hardware, devic
     problem = _problem(model, loss_fn, optimizer, batch, hardware, devices, search.rules)
     devices = len(problem.pool)
     choices = strategy_choices(search.periods, search.codecs)
-    specs = list(search.meshes or mesh_specs(devices, search.stages))
+    # long sequences: meshes with a seq axis too (context parallelism; the model must call jaxpar.attention)
+    specs = list(search.meshes or mesh_specs(devices, search.stages, long_sequence(batch)))
     say = search.progress or (lambda line: None)
     say(f"{len(specs)} mesh(es) of {devices} devices to compile, each reported as it is priced")
     plans, refused, reshards = [], {}, {}

@@ -58,10 +58,20 @@ def factorizations(devices: int, axes: int = 3) -> list[tuple[int, ...]]:
             for rest in factorizations(devices // d, axes - 1)]
 
 
-def mesh_specs(devices: int, stages: bool = False) -> list[str]:
-    """The --mesh specs of every factorisation (data, fsdp, model; with `stages`, stage too), data-only first."""
-    roles = ((mesh_lib.DATA, mesh_lib.STAGE, mesh_lib.FSDP, mesh_lib.MODEL) if stages
-             else (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.MODEL))
+LONG_SEQUENCE = 1024  # examples of at least this many positions: the advisor weighs meshes with a seq axis too
+
+
+def long_sequence(batch) -> bool:
+    """Whether a batch's examples are long sequences (an array [B, L, ...] with L >= `LONG_SEQUENCE`): then one
+    sequence's activations may not fit a device, and splitting it over seq is a plan worth pricing."""
+    return any(len(getattr(v, "shape", ())) >= 2 and v.shape[1] >= LONG_SEQUENCE for v in batch.values())
+
+
+def mesh_specs(devices: int, stages: bool = False, seq: bool = False) -> list[str]:
+    """The --mesh specs of every factorisation (data, fsdp, model; with `stages`, stage too; with `seq`, seq too),
+    data-only first."""
+    roles = ((mesh_lib.DATA,) + ((mesh_lib.STAGE,) if stages else ()) + (mesh_lib.FSDP,)
+             + ((mesh_lib.SEQ,) if seq else ()) + (mesh_lib.MODEL,))
     specs = []
     for sizes in sorted(factorizations(devices, len(roles)), key=lambda s: tuple(-x for x in s)):
         specs.append(",".join(f"{role}={size}" for role, size in zip(roles, sizes)))

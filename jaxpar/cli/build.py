@@ -17,6 +17,7 @@ from jaxpar.cli import strategies
 from jaxpar.cli.batching import batch_sizes, static_batch_sizes
 from jaxpar.cli.config import Config
 from jaxpar.cli.options import declared, shown
+from jaxpar.cli.context import check_context, context_of
 from jaxpar.cli.pipelining import check_stages, pipeline_of
 from jaxpar.strategies import BN_LOCAL
 from jaxpar.errors import ConfigError, DataError, JaxparError, ShardingError
@@ -50,12 +51,13 @@ def datasets(config: Config, size_at, largest: int):
         # the corpus stays on disk: each process reads only the windows of its rows (bytes < 256 <= --vocab)
         train_tokens, val_tokens = data.split_corpus(data.open_corpus(config.data), seq_len=config.seq_len)
         train = data.text_batches(train_tokens, size_at, config.seq_len, config.seed, "training text",
-                                  largest_batch=largest)
+                                  largest_batch=largest, read_ahead=data.DEFAULT_READ_AHEAD)
         return train, data.TextWindows(val_tokens, config.seq_len)
     train_split, test_split = data.load_digits()
     for split in (train_split, test_split):
         models.check_labels(split, 10)
-    train = data.array_batches(train_split, size_at, config.seed, "digits training split", largest_batch=largest)
+    train = data.array_batches(train_split, size_at, config.seed, "digits training split", largest_batch=largest,
+                               read_ahead=data.DEFAULT_READ_AHEAD)  # built in a background thread
     return train, data.ArraySource(test_split)
 
 
@@ -91,6 +93,7 @@ def build(config: Config) -> Built:
             f"{len(mesh.local_devices)} devices): its per-layer collectives cross hosts; a {mesh_lib.TENSOR_AXIS} axis "
             f"of at most {len(mesh.local_devices)} stays inside one")
     check_stages(config, mesh_lib.size(mesh, mesh_lib.STAGE_AXIS))  # (a -1 in --mesh is known only now)
+    check_context(config, mesh_lib.seq_ways(mesh))
     ways, replicas = mesh_lib.batch_ways(mesh), mesh_lib.replica_count(mesh)
     batch_sizes(config, ways, replicas)
     if config.eval_batches and len(held_out) < ways:
@@ -106,7 +109,7 @@ def build(config: Config) -> Built:
                           eval_loss_fn=models.LOSSES[config.model], optimizer=make_optimizer(config, schedule),
                           mesh=mesh, rules=config.rules, strategy=strategy, grad_accum=config.grad_accum,
                           skip_nonfinite=config.on_nonfinite == "skip", hardware=config.hardware,
-                          pipeline=pipeline_of(config), remat=config.remat)
+                          pipeline=pipeline_of(config), remat=config.remat, context_parallel=context_of(config))
     except ShardingError as error:
         raise as_flag_error(error, config) from None
     train_batches.rows = trainer.local_rows  # each process loads only its rows of every global batch

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import models
 from jaxpar.cli import compat, defaults, paths, records, validation
 from jaxpar.cli.options import GROUPS, Option, declared, section
+from jaxpar.cli.runtimes import RUNTIMES
 from jaxpar.cli.strategies import NAMES as STRATEGIES
 from jaxpar.cli.values import (DTYPES, OPTIMIZERS, at_least, channels_check, coordinator_check, not_empty, one_of,
                                parse_decay_steps, parse_profile, parses, rules_check, within)
@@ -25,6 +26,7 @@ from jaxpar.cost.hardware import PROFILES, parse_hardware
 from jaxpar.strategies.stragglers import parse_stragglers
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS, check_allreduce
 from jaxpar.parallel.compression import parse_codec
+from jaxpar.parallel.context import ALGORITHMS, DEFAULT as DEFAULT_CP
 from jaxpar.parallel.mesh import parse_mesh_spec
 from jaxpar.pipeline.config import SCHEDULES
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
@@ -40,11 +42,17 @@ _count = at_least(0)
 @dataclass
 class Config:
     # --- mesh ---
-    mesh: str = _mesh("2x4", "device mesh, axes data x stage x fsdp x model; -1 in one place = all remaining devices; "
-                             "'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model), or named, e.g. "
-                             "'data=2,fsdp=2,model=2' or 'fsdp=8' (absent axes have size 1); pipeline stages only by "
-                             "name, e.g. 'stage=4' or 'data=2,stage=2,model=2' (the model needs stacked layers). On a "
-                             "CPU-only machine the needed CPU devices are created", check=parses(parse_mesh_spec))
+    mesh: str = _mesh("2x4", "device mesh, axes data x stage x fsdp x seq x model; -1 in one place = all remaining "
+                             "devices; '8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model), or named, e.g. "
+                             "'data=2,fsdp=2,model=2' or 'fsdp=8' (absent axes have size 1); pipeline stages and the "
+                             "sequence split only by name, e.g. 'stage=4', 'data=2,stage=2,model=2' (the model needs "
+                             "stacked layers) or 'data=2,seq=4' (see --context-parallel). On a CPU-only machine the "
+                             "needed CPU devices are created", check=parses(parse_mesh_spec))
+    context_parallel: str | None = _mesh(None, f"how attention runs over the seq axis (context parallelism): "
+                                         f"{' | '.join(ALGORITHMS)}; default {DEFAULT_CP}: one all-gather of K and V "
+                                         "per layer, no head constraint; ring: K/V blocks passed around the axis, "
+                                         "memory O(L/seq), causal work balanced zig-zag; ulysses: all-to-all to a "
+                                         "head split, heads must divide by seq", check=one_of(ALGORITHMS))
     rules: dict | list | None = _mesh(None, "logical axis -> mesh axis rules; None = jaxpar.DEFAULT_RULES with FSDP",
                                       check=rules_check, flag=False)
     # --- pipeline: how a model's jaxpar.pipeline.Stack runs over the stage axis (cross checks: cli/pipelining.py) ---
@@ -187,6 +195,14 @@ class Config:
     check_every: int = _faults(100, "compare every device's copy of the replicated parameters every N steps; 0: "
                                     "never; a fingerprint, at the start and every N steps", check=_count)
     # --- several processes (jaxpar.runtime.distributed); python -m jaxpar.launch sets them through the environment ---
+    runtime: str = _procs(RUNTIMES[0], "emulated: one SPMD program, asynchrony emulated exactly (simulated time) | ray: "
+                                       "each data-axis index a Ray actor process, a parameter server, real wall-clock "
+                                       "asynchrony (pip install 'jaxpar[ray]')", check=one_of(RUNTIMES))
+    ray_address: str | None = _procs(None, "with --runtime ray: HOST:PORT of a running Ray head (ray start --head), or "
+                                           "'auto'", check=not_empty("10.0.0.1:6379"),
+                                     default_text="a local Ray instance started for the run")
+    max_restarts: int | None = _procs(None, "with --runtime ray: times Ray restarts a worker process that dies (it "
+                                            "rejoins from the current parameters)", check=_count, default_text="0")
     coordinator: str | None = _procs(None, "HOST:PORT of process 0 (the same on every process); for a run over "
                                            "several processes / hosts; with --num-processes and --process-id",
                                      check=coordinator_check,

@@ -9,6 +9,7 @@ import jax
 
 from jaxpar.cli import strategies
 from jaxpar.cli.config import Config
+from jaxpar.cli.context import context_notes
 from jaxpar.cli.defaults import given
 from jaxpar.cli.pipelining import blocks_option, spec_stages
 from jaxpar.cli.values import parse_profile
@@ -48,7 +49,7 @@ def run_notes(config: Config) -> list[str]:
     if given(config, "max_skips") and config.on_nonfinite == "abort":
         notes.append(f"--max-skips {config.max_skips} with --on-nonfinite abort: no step is skipped, the first "
                      f"non-finite step aborts the run (--max-skips applies to --on-nonfinite skip)")
-    return notes + profile_notes(config) + pipeline_notes(config)
+    return notes + profile_notes(config) + pipeline_notes(config) + context_notes(config)
 
 
 def profile_notes(config: Config) -> list[str]:

@@ -20,6 +20,7 @@ from jaxpar.cli.notes import built_notes, divergence_hint, planning_notes, run_n
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
 from jaxpar.cli.paths import profile_folder
 from jaxpar.cli.processes import join_processes
+from jaxpar.cli.runtimes import RAY
 from jaxpar.cli.strategies import notes as strategy_notes
 from jaxpar.cli.values import parse_profile
 from jaxpar.cost.step_pricer import profile_of
@@ -45,6 +46,10 @@ def train(config: Config) -> dict:
     nothing. With several processes (see `join_processes`) every process calls this; only process 0 prints and
     writes, and every process returns the same summary."""
     config = config.validate().resolved()
+    if config.runtime == RAY:  # each data-axis index a process: nothing below (one SPMD program) applies
+        from jaxpar.cli.ray_run import train_on_ray
+
+        return train_on_ray(config)
     if config.no_compile_cache:  # before anything compiles (the Trainer would turn the default on)
         use_compile_cache(None)
     else:
@@ -255,6 +260,8 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
         except JaxparError:
             pass  # the metrics file failed too: the original error is the one to report
         raise
+    finally:
+        batches.close()  # the read-ahead thread ends with the run, however it ended
     logger.close()
     held = evaluation.history[-1][1] if evaluation.history else {}
     summary = {"final_" + k: v for k, v in last.items()}

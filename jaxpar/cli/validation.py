@@ -11,6 +11,8 @@ from jaxpar.cli import strategies
 from jaxpar.cli.defaults import MODEL_OF, applies, resolved
 from jaxpar.cli.options import declared, default_of, shown
 from jaxpar.cli.paths import is_or_inside, profile_folder, trace_folder
+from jaxpar.cli.runtimes import check_runtime
+from jaxpar.cli.context import check_context, spec_seq
 from jaxpar.cli.pipelining import check_repeats, check_stages, spec_stages
 from jaxpar.cli.values import finite_check
 from jaxpar.errors import ConfigError
@@ -106,8 +108,10 @@ def check_combinations(config) -> None:
     if config.lr_decay_steps is not None and config.lr_schedule != "step":
         raise ConfigError(f"--lr-decay-steps applies only to --lr-schedule step (got {config.lr_schedule})")
     check_profile(config)
+    check_runtime(config)
     check_repeats(config)
     check_stages(config, spec_stages(config))  # a -1 in --mesh: checked again once the mesh exists
+    check_context(config, spec_seq(config))  # likewise
     if config.bn == BN_SYNC and strategies.from_config(config).local_statistics:
         raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies.WHOLE_BATCH)} without --allreduce or "
                           f"--compress; the explicit strategies normalise each replica's slice (use --bn local)")

@@ -102,4 +102,6 @@ def expected(op, variant: str, trainer) -> bool:
             op.kind == "all-to-all" and getattr(communicator, "codec", None) is not None)
     if MODEL in axes:
         return op.kind in ("all-reduce", "all-gather", "reduce-scatter")
+    if mesh_lib.SEQ in axes:  # jaxpar.attention's K/V gathers, ring permutes, all-to-alls, and gradient sums over seq
+        return True
     return False

@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from jaxpar.cost import memory_fit, pipelines, strategy_costs
+from jaxpar.cost import context_traffic, memory_fit, pipelines, strategy_costs
 from jaxpar.cost.expected_traffic import expected, theory
 from jaxpar.cost.explain_text import format_explain  # noqa: F401 - jaxpar.cost.explain.format_explain, as documented
 from jaxpar.cost.hardware import collective_seconds
@@ -124,6 +124,7 @@ def explain(trainer, batch, blocks: int | None = None, fit: bool = False, compil
                  "flops_per_device": flops, "flops": None if flops is None else flops * mesh.size,
                  "xla_flops_per_device": counted.xla, "flops_note": counted.note,
                  "unknown_loops": unknown_loops(ops), "pipeline": pipelines.report(trainer, batch, ops),
+                 "context": context_traffic.report(trainer, batch, ops),
                  "communication": _communication(ops, variant, trainer, profile),
                  "busiest_sent": busiest_sent(ops, mesh.size),
                  "theory": theory(trainer, variant, blocks, batch)}

@@ -1,7 +1,7 @@
 """The text of a `jaxpar.explain` report (`jaxpar.format_explain`, what `run.py --explain` prints)."""
 from __future__ import annotations
 
-from jaxpar.cost import memory_fit, pipelines
+from jaxpar.cost import context_traffic, memory_fit, pipelines
 
 
 def _fmt_bytes(n) -> str:
@@ -78,6 +78,8 @@ def format_explain(report: dict) -> str:
                          f"{', '.join(v['unknown_loops'])}")
         if v.get("pipeline"):
             lines += pipelines.lines(v["pipeline"])
+        if v.get("context"):
+            lines += context_traffic.lines(v["context"])
         if "projected_seconds" in v:
             p = v["projected_seconds"]
             hidden = f" - overlap {p['overlap'] * 1e3:.4g} ms" if p.get("overlap") else ""

@@ -4,8 +4,9 @@ of which a process reads just the byte ranges its windows need.
 The length and every file's place in the concatenation come from `os.stat` sizes, so the train / validation split
 and the byte offsets of any window are known before a byte is read. `Corpus[positions]` reads the distinct
 positions asked for, one positioned read (`os.pread`) per contiguous run (per file), and counts the bytes it read
-(`bytes_read`). `CorpusPart` is the training or the held-out part of a corpus under `BlockSplit`, the one place that
-says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule to bytes in memory.
+(`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the training or the held-out part of a corpus under
+`BlockSplit`, the one place that says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule
+to bytes in memory.
 
     corpus = open_corpus("books/", max_bytes=1 << 30)     # stats the files, reads nothing
     train, held_out = split_corpus(corpus, seq_len=128)
@@ -25,11 +26,13 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxpar.errors import DataError
+# (re-exported: the split was defined here before it had its own module)
+from jaxpar.io.corpus_split import (TEXT_BLOCK_BYTES, BlockSplit, CorpusPart, split_corpus,  # noqa: F401
+                                    text_block_size)
 
 DEFAULT_CORPUS_BYTES = 4 << 20  # enough text for thousands of steps of the default model
-TEXT_BLOCK_BYTES = 4096  # target size of the interleaved train / validation blocks
 SAMPLE_BYTES = 64 << 10  # what the text check (binary_note) of a --data corpus reads: its first bytes
-OPEN_FILES = 64  # file descriptors a corpus keeps open between reads (least recently used closed first)
+OPEN_FILES = 512  # file descriptors a corpus keeps open between reads (least recently used closed first)
 
 
 # --- which files ---------------------------------------------------------------------------------------------------
@@ -173,20 +176,41 @@ class Corpus:
         if flat.min() < 0 or flat.max() >= len(self):
             raise IndexError(f"corpus positions must be in [0, {len(self)})")
         breaks = np.flatnonzero(np.diff(flat) != 1) + 1
-        starts, lengths = flat[np.r_[0, breaks]], np.diff(np.r_[0, breaks, flat.size])
-        merged: list[list[int]] = []  # [start, stop) of the ranges read, in corpus order
-        for start, stop in sorted(zip(starts.tolist(), (starts + lengths).tolist())):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], stop)
-            else:
-                merged.append([start, stop])
-        merged_starts = np.array([a for a, _ in merged], np.int64)
-        files = np.searchsorted(self.ends, merged_starts, side="right").tolist()
-        buffer = np.frombuffer(b"".join(self.read(a, b, k) for (a, b), k in zip(merged, files)), np.uint8)
-        merged_offsets = np.cumsum([0] + [b - a for a, b in merged[:-1]])  # where each range begins in buffer
-        home = np.searchsorted(merged_starts, starts, side="right") - 1  # the merged range holding each run
-        shift = merged_offsets[home] - merged_starts[home]  # buffer index - corpus position, per run
-        return buffer[flat + np.repeat(shift, lengths)].reshape(positions.shape)
+        return self.runs(flat[np.r_[0, breaks]], np.diff(np.r_[0, breaks, flat.size])).reshape(positions.shape)
+
+    def runs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The bytes [starts[i], starts[i] + lengths[i]) for every i, concatenated (uint8). Overlapping or touching
+        runs are merged first (numpy), then each merged range is one positioned read (per file it touches)."""
+        starts, lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        order = np.argsort(starts, kind="stable")
+        first, stop = starts[order], (starts + lengths)[order]
+        opens = np.r_[True, first[1:] > np.maximum.accumulate(stop)[:-1]]  # begins a merged range
+        heads = np.flatnonzero(opens)
+        merged_starts, merged_stops = first[heads], np.maximum.reduceat(stop, heads)
+        files = np.searchsorted(self.ends, merged_starts, side="right")
+        inside = merged_stops <= self.ends[files]  # (a range that crosses into the next file: `read`)
+        offsets = merged_starts - (self.ends - self.sizes)[files]
+        chunks = []
+        for index, a, b, offset, whole in zip(files.tolist(), merged_starts.tolist(), merged_stops.tolist(),
+                                              offsets.tolist(), inside.tolist()):
+            if not whole:
+                chunks.append(self.read(a, b, index))
+                continue
+            try:
+                chunk = os.pread(self._descriptor(index), b - a, offset)
+            except OSError as error:
+                raise self._unreadable(self.files[index], error) from error
+            if len(chunk) != b - a:
+                self.read(a, b, index)  # raises: the file has shrunk
+            self.bytes_read += b - a
+            chunks.append(chunk)
+        buffer = np.frombuffer(b"".join(chunks), np.uint8)
+        merged_offsets = np.cumsum(np.r_[0, merged_stops[:-1] - merged_starts[:-1]])  # each range's place in buffer
+        home = np.empty_like(order)
+        home[order] = np.cumsum(opens) - 1  # the merged range holding each run
+        base = merged_offsets[home] + starts - merged_starts[home]  # where run i begins in buffer
+        ramp = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return buffer[np.repeat(base, lengths) + ramp]
 
     def close(self) -> None:
         while self._handles:
@@ -207,72 +231,3 @@ def open_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) 
         if why:  # byte-level: any bytes train; say so in case it was a mistake
             logging.getLogger("jaxpar").warning(f"--data {path!r} {why}; training on its raw bytes anyway")
     return corpus
-
-
-# --- the train / validation split ------------------------------------------------------------------------------------
-def text_block_size(length: int, seq_len: int = 128, period: int = 20) -> int:
-    """Bytes per block of the split: a multiple of seq_len, about TEXT_BLOCK_BYTES, never below two windows, and
-    small enough that a corpus of `length` bytes has at least `period` blocks when it can."""
-    windows = max(2, min(max(TEXT_BLOCK_BYTES // seq_len, 1), length // (period * seq_len)))
-    return windows * seq_len
-
-
-class BlockSplit(NamedTuple):
-    """A corpus of `length` bytes cut into blocks of `block` bytes; block k is held out when
-    k % period == period // 2 (see `jaxpar.io.data.split_text` for why). Each part is its blocks in corpus order."""
-
-    length: int
-    block: int
-    period: int
-
-    @classmethod
-    def of(cls, length: int, validation_fraction: float = 0.05, seq_len: int = 128) -> BlockSplit:
-        if not 0 < validation_fraction <= 0.5:
-            raise ValueError(f"validation_fraction {validation_fraction}: must be in (0, 0.5]")
-        period = round(1 / validation_fraction)
-        return cls(length, text_block_size(length, seq_len, period), period)
-
-    def held_out(self, block_index):
-        return block_index % self.period == self.period // 2
-
-    def part_length(self, held_out: bool) -> int:
-        blocks = -(-self.length // self.block)
-        first = self.period // 2  # the first held-out block
-        held = max(0, -(-(blocks - first) // self.period)) * self.block
-        if blocks and self.held_out(blocks - 1):  # the last block (maybe short) is held out
-            held -= blocks * self.block - self.length
-        return held if held_out else self.length - held
-
-    def corpus_positions(self, positions: np.ndarray, held_out: bool) -> np.ndarray:
-        """Corpus positions of the part's byte `positions` (pure arithmetic: only the last block can be short, and
-        it is the last block of its part)."""
-        block, within = np.divmod(np.asarray(positions, np.int64), self.block)
-        if held_out:
-            corpus_block = block * self.period + self.period // 2
-        else:  # a period's training blocks: the period - 1 blocks other than its held-out one
-            period_index, k = np.divmod(block, self.period - 1)
-            corpus_block = period_index * self.period + k + (k >= self.period // 2)
-        return corpus_block * self.block + within
-
-
-class CorpusPart:
-    """The training (held_out=False) or held-out part of a corpus: `part[positions]` reads the part's bytes."""
-
-    def __init__(self, corpus, split: BlockSplit, held_out: bool):
-        self.corpus, self.split, self.held_out = corpus, split, held_out
-        self._length = split.part_length(held_out)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __getitem__(self, positions) -> np.ndarray:
-        positions = np.asarray(positions, np.int64)
-        if positions.size and (positions.min() < 0 or positions.max() >= self._length):
-            raise IndexError(f"positions must be in [0, {self._length})")
-        return self.corpus[self.split.corpus_positions(positions, self.held_out)]
-
-
-def split_corpus(corpus, validation_fraction: float = 0.05, seq_len: int = 128) -> tuple[CorpusPart, CorpusPart]:
-    """(training part, held-out part) of `corpus`, equal byte for byte to `split_text` of its bytes; reads nothing."""
-    split = BlockSplit.of(len(corpus), validation_fraction, seq_len)
-    return CorpusPart(corpus, split, False), CorpusPart(corpus, split, True)

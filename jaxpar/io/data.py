@@ -6,23 +6,21 @@ Sources (random access by example index, never downloaded):
   `.py` files in sorted order; split train / validation by interleaved blocks (every 20th held out), each part cut
   into windows of seq_len + 1 bytes. A run keeps the corpus on disk (`jaxpar.io.corpus`): a window's bytes are read
   when its batch is drawn, so a process reads only the windows of its own rows.
-- synthetic: seeded random images or tokens of any size, for benchmarks.
 
-`Batches` draws example indices from grain's shuffled, endlessly repeated index stream (a new permutation every
-epoch, a pure function of (seed, epoch)), so a batch is a pure function of its position in that stream: the
-iterator state is two integers and restores exactly. Each process loads only its own rows of the global batch:
-it computes the indices of those rows only, and asks the source for those examples only.
+`Batches` (`jaxpar.io.batches`, re-exported here) draws example indices from a shuffled, endlessly repeated index
+stream (`jaxpar.io.index_stream`: a new permutation every epoch, a pure function of (seed, epoch)), so a batch is a
+pure function of its position in that stream: the iterator state is two integers and restores exactly. Each
+process loads only its own rows of the global batch: it computes the indices of those rows only, and asks the
+source for those examples only. Batches may be built ahead in a background thread (`read_ahead`);
 `prefetch_to_device` keeps the next batches' host-to-device copies in flight while the current step runs.
 """
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable, Iterator
-
-import grain
 import numpy as np
 
+# (re-exported: defined in jaxpar.io.batches, as they were here before the batches had their own module)
+from jaxpar.io.batches import DEFAULT_READ_AHEAD, ArraySource, Batches, prefetch_to_device  # noqa: F401
 from jaxpar.errors import DataError
 from jaxpar.io.corpus import BlockSplit, open_corpus
 # (re-exported: these were defined here before the corpus had its own module)
@@ -33,19 +31,6 @@ DIGITS_TEST_SIZE = 300
 
 
 # --- sources -----------------------------------------------------------------------------------------------------
-class ArraySource:
-    """Examples are rows of equally long arrays."""
-
-    def __init__(self, arrays: dict[str, np.ndarray]):
-        self.arrays = arrays
-
-    def __len__(self) -> int:
-        return len(next(iter(self.arrays.values())))
-
-    def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        return {k: v[indices] for k, v in self.arrays.items()}
-
-
 class TextWindows:
     """Example k is the window tokens[k*seq_len : k*seq_len + seq_len + 1] ({"tokens": int32 [seq_len + 1]}).
     `tokens`: uint8 bytes in memory, or a `jaxpar.io.corpus.CorpusPart` (only the windows asked for are read)."""
@@ -57,26 +42,10 @@ class TextWindows:
         return max((len(self.tokens) - 1) // self.seq_len, 0)
 
     def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        starts = np.asarray(indices)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        return {"tokens": self.tokens[starts].astype(np.int32)}
-
-
-class SyntheticSource:
-    """Seeded random examples (`kind` "image": 8x8x1 images + 10 labels; "tokens": byte sequences)."""
-
-    def __init__(self, kind: str = "image", size: int = 4096, seq_len: int = 128, seed: int = 0):
-        rng = np.random.default_rng(seed)
-        if kind == "image":
-            self._source = ArraySource({"image": rng.random((size, 8, 8, 1), dtype=np.float32),
-                                        "label": rng.integers(0, 10, size).astype(np.int32)})
-        else:
-            self._source = TextWindows(rng.integers(0, 256, size * seq_len + 1).astype(np.uint8), seq_len)
-
-    def __len__(self):
-        return len(self._source)
-
-    def __getitem__(self, indices):
-        return self._source[indices]
+        starts = np.asarray(indices, np.int64) * self.seq_len
+        if hasattr(self.tokens, "runs"):  # a corpus part on disk: one read per window, no per-byte arithmetic
+            return {"tokens": self.tokens.runs(starts, self.seq_len + 1).astype(np.int32)}
+        return {"tokens": self.tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)}
 
 
 def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -125,78 +94,15 @@ def split_text(tokens: np.ndarray, validation_fraction: float = 0.05,
     return tokens[~held_out], tokens[held_out]
 
 
-# --- batches -----------------------------------------------------------------------------------------------------
-class Batches(Iterator):
-    """Endless global batches (this process's rows of them) from a source, in a seeded order.
-
-    `batch_size` is an int or a function step -> int (a batch-size ramp). Every epoch is a fresh permutation; a batch
-    may straddle two epochs, so no example is dropped or repeated within an epoch. `rows`: global batch size ->
-    the row positions this process loads (`Trainer.local_rows`); None loads every row (one process).
-    """
-
-    def __init__(self, source, batch_size: int | Callable[[int], int], seed: int, name: str = "dataset",
-                 shuffle: bool = True, largest_batch: int | None = None,
-                 rows: Callable[[int], np.ndarray] | None = None):
-        source = ArraySource(source) if isinstance(source, dict) else source
-        self.source, self.name, self.rows = source, name, rows
-        self._size_at = batch_size if callable(batch_size) else (lambda step: batch_size)
-        largest = largest_batch or self._size_at(0)
-        if len(source) < largest:
-            raise DataError(f"{name} has {len(source)} examples, fewer than one global batch of {largest}; "
-                            f"use a global batch (--batch-size / --batch-ramp) of {len(source)} or less")
-        order = grain.MapDataset.range(len(source))
-        self._order = (order.shuffle(seed=seed) if shuffle else order).repeat(None)
-        self.position, self.step = 0, 0
-
-    def get_state(self) -> dict:
-        return {"position": self.position, "step": self.step}
-
-    def set_state(self, state: dict) -> None:
-        self.position, self.step = int(state["position"]), int(state["step"])
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        size = self._size_at(self.step)
-        positions = range(size) if self.rows is None else self.rows(size)
-        indices = np.fromiter((self._order[self.position + int(k)] for k in positions), np.int64, len(positions))
-        self.position += size
-        self.step += 1
-        return self.source[indices]
-
-
 def array_batches(arrays: dict[str, np.ndarray], global_batch, seed: int, name: str = "dataset",
-                  largest_batch: int | None = None) -> Batches:
-    return Batches(ArraySource(arrays), global_batch, seed, name, largest_batch=largest_batch)
+                  largest_batch: int | None = None, read_ahead: int = 0) -> Batches:
+    return Batches(ArraySource(arrays), global_batch, seed, name, largest_batch=largest_batch, read_ahead=read_ahead)
 
 
 def text_batches(tokens: np.ndarray, global_batch, seq_len: int, seed: int, name: str = "text",
-                 largest_batch: int | None = None) -> Batches:
+                 largest_batch: int | None = None, read_ahead: int = 0) -> Batches:
     if len(tokens) < seq_len + 1:
         raise DataError(f"{name} has {len(tokens)} bytes, fewer than one sequence of {seq_len + 1}; "
                         f"use --seq-len {max(len(tokens) - 1, 1)} or less, or more text")
-    return Batches(TextWindows(tokens, seq_len), global_batch, seed, name, largest_batch=largest_batch)
-
-
-class prefetch_to_device(Iterator):
-    """Keeps `size` batches already placed on the devices (`put` is e.g. `trainer.shard_batch`): transfers are
-    asynchronous in JAX, so the next batches' copies overlap the running step. `get_state` is the state of the
-    next batch to be consumed, not of the last one fetched."""
-
-    def __init__(self, batches: Batches, put: Callable, size: int = 2):
-        self.batches, self.put, self.size = batches, put, size
-        self._queue = collections.deque()
-
-    def _fill(self):
-        while len(self._queue) < self.size:
-            state = self.batches.get_state()
-            self._queue.append((state, self.put(next(self.batches))))
-
-    def __next__(self):
-        self._fill()
-        return self._queue.popleft()[1]
-
-    def get_state(self) -> dict:
-        return self._queue[0][0] if self._queue else self.batches.get_state()
-
-    def set_state(self, state: dict) -> None:
-        self._queue.clear()
-        self.batches.set_state(state)
+    return Batches(TextWindows(tokens, seq_len), global_batch, seed, name, largest_batch=largest_batch,
+                   read_ahead=read_ahead)

@@ -25,27 +25,6 @@ from typing import IO
 from jaxpar.errors import JaxparError
 
 
-# Every key a step or evaluation record may hold besides the loss function's own metrics (docs/metrics.md, "The
-# JSONL schema"). tests/io/test_progress.py runs every strategy and checks its records against it.
-STEP_KEYS = {
-    "step": "updates done", "loss": "the loss function's loss", "lr": "learning rate of the step",
-    "batch_size": "global batch of the step (SSP / ASP: the contributing replicas' examples)",
-    "samples_per_sec": "examples applied since the previous record / wall time", "elapsed_sec": "since the start",
-    "tokens_per_sec": "transformer: samples_per_sec x sequence length",
-    "flops_per_sec": "the compiled step's FLOPs (XLA cost analysis, all devices) per second",
-    "flops_utilization": "flops_per_sec / peak (--hardware: its peak x devices; else on CPU a measured matmul peak)",
-    "includes_compilation": "true when the record's time includes a compilation",
-    "sim_time": "the simulated clock (the step count without stragglers and hardware; projected seconds with --hardware)",
-    "skipped": "1.0 when a non-finite step left the state unchanged (--on-nonfinite skip); a local SGD / DiLoCo local "
-               "step checks each replica alone: the fraction of replicas that kept their state",
-    "nonfinite": "1.0 when the step's loss or update is not finite (--on-nonfinite abort); a local step: the fraction "
-                 "of replicas whose own step is not",
-    "skipped_steps": "skipped steps so far (once there is one)",
-    "replica_divergence": "local SGD / DiLoCo meetings: mean over replicas of |theta_i - mean| / |mean|",
-    "staleness_mean": "SSP / ASP: mean staleness of the applied gradients",
-    "staleness_max": "SSP / ASP: largest staleness of the applied gradients",
-    "contributors": "SSP / ASP: gradients applied by the update", "version_buffer": "SSP / ASP: versions kept",
-}
 EVAL_PREFIX = "eval_"  # an evaluation record: "step" and eval_ + each held-out metric (eval_perplexity for LMs)
 
 

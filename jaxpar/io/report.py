@@ -3,7 +3,8 @@
     python -m jaxpar.report sync.jsonl local.jsonl -o report.png      # one figure, all runs on each panel
 
 Panels, each drawn only when some run has its data: training loss (and held-out loss, as markers) against step;
-training loss against simulated time (runs with `--stragglers`, where time is not just the step count); staleness
+training loss against simulated time (runs with `--stragglers`, where time is not just the step count); training
+loss against wall-clock time (`--runtime ray` runs, whose records carry `wall_time`); staleness
 (SSP / ASP: mean and max of the applied gradients); replica divergence (local SGD / DiLoCo, at each meeting).
 A table of each run's final numbers is printed as markdown (`--table FILE.md` writes it too).
 
@@ -126,6 +127,8 @@ def figure(runs: list[Run]):
     panels = [("loss", "training loss (nats)", "step", "loss against step")]
     if any(run.simulated() for run in runs):
         panels.append(("loss", "training loss (nats)", "sim_time", "loss against simulated time"))
+    if any(run.has("wall_time") for run in runs):  # runs on the ray runtime: real time
+        panels.append(("loss", "training loss (nats)", "wall_time", "loss against wall-clock time"))
     if any(run.has("staleness_mean") for run in runs):
         panels.append(("staleness", "staleness (updates behind)", "step", "staleness of applied gradients"))
     if any(run.has("replica_divergence") for run in runs):
@@ -141,7 +144,7 @@ def figure(runs: list[Run]):
                     ax.plot(xs, ys, color=color, label=f"{run.label}: mean")
                     ax.plot(*run.series("staleness_max"), color=color, linestyle=":", label=f"{run.label}: max")
                 continue
-            if x == "sim_time" and not run.simulated():
+            if (x == "sim_time" and not run.simulated()) or (x == "wall_time" and not run.has("wall_time")):
                 continue
             xs, ys = run.series(key, x)
             if not xs:
@@ -154,8 +157,8 @@ def figure(runs: list[Run]):
                 ax.plot(ex, ey, color=color, marker="s", linestyle="none", markersize=6,
                         label=f"{run.label}: held-out")
         ax.set_title(title)
-        ax.set_xlabel("simulated time (one unit = one step's compute on a replica of speed 1)"
-                      if x == "sim_time" else "step (optimizer updates)")
+        ax.set_xlabel({"sim_time": "simulated time (one unit = one step's compute on a replica of speed 1)",
+                       "wall_time": "wall-clock seconds since the first update"}.get(x, "step (optimizer updates)"))
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

@@ -8,21 +8,22 @@ Axes, outermost to innermost (the device grid is laid out in this order, so `mod
   contiguous run of layers per stage, and activations go from stage to stage with `ppermute` over it. Its traffic is
   one activation per microbatch and tick, so it may cross hosts; the batch is not split over it;
 - `fsdp`: ZeRO-3 / FSDP: the batch is split over it *and* parameters and optimizer state are sharded over it;
+- `seq`: context parallelism: each example's sequence is split over it inside the model (`jaxpar.attention`);
+  parameters are not split over it; gradients are averaged over it as over a batch axis. Inside fsdp, outside
+  model: its K/V traffic every layer outweighs fsdp's weight gathers at long sequences, model's is heavier still;
 - `model`: Megatron-style tensor parallelism.
 
-Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `PARAMETER_AXES`, `REPLICA_AXIS`,
-`STAGE_AXIS`, ...) and never spells an axis name. A model written for explicit sharding names its own axes
-(`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`): the mesh keeps one axis per role in the
-order above, so the axis playing a role is the one at that role's place, and `axis_name(mesh, role)` gives its
-name (on today's meshes, the role's own name).
+Every other module asks for axes by role (`BATCH_AXES`, `GRADIENT_AXES`, `SEQ_AXIS`, ...), never by name. A model
+written for explicit sharding names its own axes (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"},
+axis_types="explicit")`): the mesh keeps one axis per role in the order above; `axis_name(mesh, role)` gives its name.
 
 Specs: `"8"` (data), `"2x4"` (data x model), `"2x2x2"` (data x fsdp x model), or named with any subset,
-`"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`; absent axes have size 1; `-1` once
-means all remaining devices. The positional forms never name `stage`: a pipeline is asked for by name.
+`"data=2,fsdp=2,model=2"`, `"fsdp=8"`, `"stage=4"`, `"data=2,stage=2,model=2"`, `"data=2,seq=4"`; absent axes have
+size 1; `-1` once means all remaining devices. The positional forms never name `stage` or `seq`: ask for them by name.
 
     >>> mesh = make_mesh("data=2,stage=2,model=2")    # doctest: +SKIP
     >>> dict(mesh.shape)                              # doctest: +SKIP
-    {'data': 2, 'stage': 2, 'fsdp': 1, 'model': 2}
+    {'data': 2, 'stage': 2, 'fsdp': 1, 'seq': 1, 'model': 2}
 """
 
 from __future__ import annotations
@@ -39,24 +40,25 @@ from jaxpar.parallel.device_grid import crossing_positions, device_grid
 from jaxpar.parallel.explicit_mesh import AUTO, AXIS_TYPES, EXPLICIT, in_mesh, is_explicit, tracing  # noqa: F401
 from jaxpar.runtime.cpu_devices import how_to_get_cpu_devices, started_devices
 
-DATA, STAGE, FSDP, MODEL = "data", "stage", "fsdp", "model"
-AXES = (DATA, STAGE, FSDP, MODEL)  # outermost to innermost: stages may cross hosts, tensor parallelism never does
+DATA, STAGE, FSDP, SEQ, MODEL = "data", "stage", "fsdp", "seq", "model"
+AXES = (DATA, STAGE, FSDP, SEQ, MODEL)  # outermost to innermost: stages may cross hosts, tensor parallelism never does
 
 # Roles. Each is a tuple of axis names in mesh order (or one name).
 BATCH_AXES = (DATA, FSDP)  # the global batch's leading dimension is split over these
-GRADIENT_AXES = (DATA, FSDP)  # gradients are averaged over these (by the compiler under Sync())
+GRADIENT_AXES = (DATA, FSDP, SEQ)  # gradients are averaged over these (by the compiler under Sync())
 PARAMETER_AXES = (FSDP, MODEL)  # parameters and optimizer state are sharded over these by the rules
 REPLICA_AXIS = DATA  # the worker of the non-sync strategies; inside a replica the other axes stay automatic
 FSDP_AXIS = FSDP  # placement-only sharding (no change to the math): falls back to another dimension, or whole
 TENSOR_AXIS = MODEL  # tensor parallelism: a rule that does not divide is an error
+SEQ_AXIS = SEQ  # context parallelism: an example's sequence (the dimension after the examples) is split over it
 STAGE_AXIS = STAGE  # pipeline stages: a stacked block's layers are split over it (a rule that does not divide is an
 #                     error), stage-to-stage activations and cotangents are ppermute'd over it
-WITHIN_REPLICA_AXES = tuple(a for a in AXES if a != REPLICA_AXIS)  # (stage, fsdp, model): a replica holds a pipeline
+WITHIN_REPLICA_AXES = tuple(a for a in AXES if a != REPLICA_AXIS)  # stage, fsdp, seq, model: inside a replica
 
 # "AxB" / "AxBxC" positional forms name these axes, in order.
 _POSITIONAL = {1: (DATA,), 2: (DATA, MODEL), 3: (DATA, FSDP, MODEL)}
 _FORMS = ("'8' (data), '2x4' (data x model), '2x2x2' (data x fsdp x model) or named, e.g. "
-          "'data=2,fsdp=2,model=2', 'fsdp=8' or 'stage=4'; -1 in one place means all remaining devices")
+          "'data=2,fsdp=2,model=2', 'fsdp=8', 'stage=4' or 'data=2,seq=4'; -1 in one place means all remaining devices")
 
 
 def parse_mesh_spec(spec: str, roles: dict[str, str] | None = None) -> tuple[int, ...]:
@@ -100,7 +102,7 @@ def _parse_size(spec: str, value: str) -> int:
 
 
 def format_shape(shape) -> str:
-    """The named spec of a shape (sizes of `AXES`): (2, 1, 1, 4) -> 'data=2,model=4' (axes of size 1 left out)."""
+    """The named spec of a shape (sizes of `AXES`): (2, 1, 1, 1, 4) -> 'data=2,model=4' (axes of size 1 left out)."""
     named = [f"{axis}={size}" for axis, size in zip(AXES, shape) if size != 1]
     return ",".join(named) or f"{DATA}=1"
 
@@ -141,7 +143,7 @@ def _suggest(shape: tuple[int, ...], num_devices: int) -> str:
         asked = left if asked == -1 else asked
         sizes[axis] = max(d for d in range(1, min(asked, left) + 1) if left % d == 0)
         left //= sizes[axis]
-    if sizes.get(FSDP, 1) == 1 and sizes.get(STAGE, 1) == 1:
+    if sizes.get(FSDP, 1) == 1 and sizes.get(STAGE, 1) == 1 and sizes.get(SEQ, 1) == 1:
         return f"{left}x{sizes.get(MODEL, 1)}"
     return format_shape(tuple([left] + [sizes[axis] for axis in AXES[1:]]))
 
@@ -174,7 +176,7 @@ def axis_names_for(roles: dict[str, str]) -> tuple[str, ...]:
 
 def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: dict[str, str] | None = None,
               axis_types: str = AUTO) -> Mesh:
-    """Builds the (data, stage, fsdp, model) mesh from a spec; a mesh smaller than the device list uses the first
+    """Builds the (data, stage, fsdp, seq, model) mesh from a spec; a mesh smaller than the device list uses the first
     devices.
 
     `spec`: a string (see the module docstring); an int `n`, the same as the string `"n"` (data = n); or a tuple
@@ -184,8 +186,7 @@ def make_mesh(spec: str | int | tuple[int, ...] = "-1", devices=None, *, roles: 
     partitions what a sharding does not pin down (GSPMD style), which is what `NamedSharding` parameters and
     `shard_map(axis_names={REPLICA_AXIS})` expect.
 
-    On CPU, `make_mesh` asks JAX for as many devices as the mesh needs if it runs first (`runtime.cpu_devices`);
-    a mesh larger than the devices JAX already started with is a `MeshError` saying how to get more.
+    On CPU it asks JAX for the devices the mesh needs if it runs first; more than JAX started with is a MeshError.
 
     Models written for JAX's explicit sharding (jax-ml/bonsai's) name their own axes: `roles` maps each such name
     to the jaxpar role it plays (`make_mesh("fsdp=4,tp=2", roles={"tp": "model"}, axis_types="explicit")`); the
@@ -239,7 +240,7 @@ def _tuple_shape(spec) -> tuple[int, ...]:
 
 def check_mesh(mesh) -> None:
     """Refuses a mesh jaxpar cannot use: anything but a `Mesh` as `make_mesh` builds it: one axis per role in the
-    order of `AXES` (data, stage, fsdp, model), each named by jaxpar or by `roles` (a name of jaxpar's only for its
+    order of `AXES` (data, stage, fsdp, seq, model), each named by jaxpar or by `roles` (a name of jaxpar's only for its
     own role), all of them Auto or all Explicit."""
     fix = f"build it with jaxpar.make_mesh (axes {', '.join(AXES)}, e.g. jaxpar.make_mesh('2x4'))"
     if not isinstance(mesh, Mesh):
@@ -256,11 +257,9 @@ def check_mesh(mesh) -> None:
 
 # --- questions asked by role ---------------------------------------------------------------------------------------
 # The axis playing a role is the mesh's axis at that role's place in `AXES` (make_mesh and check_mesh keep that
-# order), so a mesh with the model's own names needs no table beside it. The role constants above are jaxpar's
-# names; on a mesh from `make_mesh(..., roles=...)` they are translated by `axis_name` where a sharding is built.
+# order); on a mesh from `make_mesh(..., roles=...)` role names are translated by `axis_name` where a sharding is built.
 def axis_name(mesh, axis: str) -> str:
-    """The mesh's name for `axis`: a role (one of `AXES`) -> the name of the axis playing it on `mesh`; a name the
-    mesh has, or any other string, unchanged. On a mesh with jaxpar's names, the identity."""
+    """The mesh's name for a role (one of `AXES`); a name the mesh has, or any other string, unchanged."""
     names = tuple(mesh.axis_names)
     if axis in names or axis not in AXES or len(names) != len(AXES):
         return axis
@@ -286,11 +285,15 @@ def replica_count(mesh: Mesh) -> int:
     return size(mesh, REPLICA_AXIS)
 
 
+def seq_ways(mesh: Mesh) -> int:  # how many ways each example's sequence is split (context parallelism)
+    return size(mesh, SEQ_AXIS)
+
+
 def batch_ways(mesh: Mesh) -> int:
     """How many ways the global batch is split: the global batch must divide by this."""
     return size(mesh, BATCH_AXES)
 
 
 def shape_line(mesh: Mesh) -> str:
-    """'data=2 x stage=1 x fsdp=1 x model=4' for progress output (every axis, sizes of 1 included)."""
+    """'data=2 x stage=1 x fsdp=1 x seq=1 x model=4' for progress output (every axis, sizes of 1 included)."""
     return " x ".join(f"{axis}={mesh.shape[axis]}" for axis in mesh.axis_names)

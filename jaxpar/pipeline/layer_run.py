@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.pipeline.config import ONE_F_ONE_B, Pipeline
+from jaxpar.pipeline.config import Pipeline
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,9 @@ class LayerRun:
 
     @property
     def splits_loss(self) -> bool:
-        """1F1B on a stage mesh: the training step cuts the loss at the stack (`jaxpar.pipeline.split`)."""
-        return self.pipeline.schedule == ONE_F_ONE_B and self.stages > 1
+        """A stage mesh: the training step cuts the loss at the stack (`jaxpar.pipeline.split`), so the rest of the
+        model runs inside the schedule, per microbatch."""
+        return self.stages > 1
 
 
 ALONE = LayerRun()  # a Stack outside a trainer

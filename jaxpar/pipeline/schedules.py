@@ -39,6 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 StageFn = Callable[[object, jax.Array, jax.Array], jax.Array]
+# the name scope of 1F1B's half-step conditional, whose branches (a forward, a backward) every stage runs in turn:
+# the FLOP count (`jaxpar.cost.hlo.flops`) counts their mean per half-step, not the dearer one
+ALTERNATING = "jaxpar_alternating"
 
 
 def _to_next(x, axis: str, stages: int, ring: bool = False):
@@ -120,8 +123,60 @@ def circular(stage_fn: Callable, params, xs: jax.Array, *, axis: str, repeats: i
     return jnp.where(stage == stages - 1, ys[items - count + stages - 1:], jnp.zeros_like(xs))
 
 
-def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: jax.Array, *, axis: str,
-                rows_axis: str | None = None):
+def circular_loss(stage_fn: Callable, first_fn: Callable, head_fn: Callable, params, head_params, count: int, *,
+                  axis: str, repeats: int = 1):
+    """GPipe (`repeats` 1) or circular with the rest of the model inside the ticks: stage 0 computes microbatch m's
+    stack input `first_fn(head_params, m)` in the tick that runs it, and the last stage applies
+    `head_fn(head_params, y, m) -> (loss, metrics)` to each microbatch's output in the tick it leaves. Returns this
+    stage's (sum of its microbatches' losses, sums of their metrics, in float32): the last stage's, zeros elsewhere.
+
+    Differentiate it for the backward (the ticks in reverse). Each tick is rematerialised as a whole, so it keeps
+    one activation (its received input) for the backward and recomputes the rest; only one microbatch's head runs
+    at a time."""
+    stages, stage = lax.axis_size(axis), lax.axis_index(axis)
+    if repeats > 1 and count < stages:
+        raise ValueError(f"the circular schedule needs at least as many microbatches as stages ({count} < {stages})")
+    items = repeats * count
+    like = jax.eval_shape(first_fn, head_params, 0)
+    zeros = jnp.zeros(like.shape, like.dtype)
+    shapes = jax.eval_shape(head_fn, head_params, zeros, 0)
+    no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes[1])
+
+    @jax.checkpoint
+    def run(p, h, x_in, m, r, starts, ends):
+        x = lax.cond(starts, lambda: first_fn(h, m).astype(like.dtype), lambda: x_in)
+        y = stage_fn(jax.tree.map(lambda a: a[r], p), x, m, r)
+
+        def head():
+            value, aux = head_fn(h, y, m)
+            return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
+
+        value, aux = lax.cond(ends, head, lambda: (jnp.zeros((), jnp.float32), no_metrics))
+        return y, value, aux
+
+    def tick(carry, t):
+        received, returned, loss, metrics = carry
+        raw = t - stage  # the (round, microbatch) item this stage runs, when in range
+        i = jnp.clip(raw, 0, items - 1)
+        r, m = i // count, i % count
+        x_in = jnp.where(stage == 0, returned[m], received) if repeats > 1 else received
+        ends = (stage == stages - 1) & (raw >= items - count) & (raw < items)
+        y, value, aux = run(params, head_params, x_in, m, r, (stage == 0) & (r == 0), ends)
+        sent = _to_next(y, axis, stages, ring=repeats > 1)
+        if repeats > 1:  # on stage 0, `sent` is the last stage's output of item t - S + 1: keep it for its next round
+            back = t - stages + 1
+            keep = (stage == 0) & (back >= 0) & (back < items - count)
+            returned = jnp.where(keep, returned.at[jnp.clip(back, 0, items - 1) % count].set(sent), returned)
+        return (sent, returned, loss + value, jax.tree.map(jnp.add, metrics, aux)), None
+
+    returned = jnp.zeros((count,) + like.shape, like.dtype) if repeats > 1 else jnp.zeros((), like.dtype)
+    start = (zeros, returned, jnp.zeros((), jnp.float32), no_metrics)
+    (_, _, loss, metrics), _ = lax.scan(tick, start, jnp.arange(items + stages - 1))
+    return loss, metrics
+
+
+def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *, axis: str,
+                rows_axis: str | None = None, count: int | None = None):
     """(mean over microbatches of the loss, mean of the metrics, the gradient of that mean loss with respect to
     this stage's `params`, with respect to `head_params`, and with respect to `xs`).
 
@@ -131,18 +186,28 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
 
     `rows_axis`: a data axis the caller's map is also manual over, each shard holding its own rows of every
     microbatch. The loss is then the mean of the shards' losses (a mean over examples, equal shards), and every
-    gradient is accumulated locally over the ticks and summed over `rows_axis` once, after the loop."""
+    gradient is accumulated locally over the ticks and summed over `rows_axis` once, after the loop.
+
+    `xs` may instead be a function `first(head_params, m) -> x` (the part of the model before the stack on
+    microbatch m) with `count` microbatches: stage 0 then runs it in its forward half-step and pulls its backward's
+    input gradient through it at once, adding to the gradients with respect to `head_params`; nothing of the size
+    of M microbatches is kept, and the gradient with respect to `xs` is returned as None."""
     stages, stage = lax.axis_size(axis), lax.axis_index(axis)
     shards = 1 if rows_axis is None else lax.axis_size(rows_axis)
-    count = xs.shape[0]
+    first = xs if callable(xs) else None
+    count = count if first else xs.shape[0]
+    like = jax.eval_shape(first, head_params, 0) if first else xs[0]
     last = stage == stages - 1
-    zeros = jnp.zeros_like(xs[0])
-    shapes = jax.eval_shape(head_fn, head_params, xs[0], 0)
+    zeros = jnp.zeros(like.shape, like.dtype)
+    shapes = jax.eval_shape(head_fn, head_params, zeros, 0)
     no_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes[1])
 
     def forward(carry, m, valid):
         received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
-        x = jnp.where(stage == 0, xs[m], received)
+        if first:
+            x = lax.cond(stage == 0, lambda: first(head_params, m).astype(zeros.dtype), lambda: received)
+        else:
+            x = jnp.where(stage == 0, xs[m], received)
         y = stage_fn(params, x, m)
 
         def head(y):  # the loss, its cotangent and the head's gradients, on the last stage only
@@ -170,7 +235,15 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
         _, pull = jax.vjp(lambda p, x: stage_fn(p, x, m), params, stash[m % stages])
         param_grads, x_grad = pull(cotangent)
         grads = _pick(valid, jax.tree.map(jnp.add, grads, param_grads), grads)
-        input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)
+        if first:  # stage 0: the part before the stack's gradients, from this microbatch's input gradient
+            def pull_first():
+                _, pull_x = jax.vjp(lambda h: first(h, m).astype(zeros.dtype), head_params)
+                return pull_x(x_grad)[0]
+
+            g_first = lax.cond(stage == 0, pull_first, lambda: jax.tree.map(jnp.zeros_like, head_params))
+            head_grads = _pick(valid & (stage == 0), jax.tree.map(jnp.add, head_grads, g_first), head_grads)
+        else:
+            input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)
         return x_grad, (pending, stash, grads, head_grads, input_grads, loss, metrics)
 
     def half_step(carry, h, parity: int):
@@ -181,7 +254,8 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
         m = jnp.where(forward_tick, m_forward, m_backward)
         valid = (m >= 0) & (m < count)
         m = jnp.clip(m, 0, count - 1)
-        sent, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
+        with jax.named_scope(ALTERNATING):  # the cost analysis counts the mean of these branches
+            sent, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
         # what a stage receives is what it needs next: after a forward half-step its left neighbour's activation
         # (it runs a forward next), after a backward its right neighbour's cotangent
         return (lax.ppermute(sent, axis, _alternating_pairs(stages, parity)),) + kept
@@ -189,13 +263,16 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs: j
     def tick(carry, t):
         return half_step(half_step(carry, 2 * t, 0), 2 * t + 1, 1), None
 
-    start = (zeros, zeros, jnp.zeros((stages,) + xs.shape[1:], xs.dtype),
-             jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params), jnp.zeros_like(xs),
-             jnp.zeros((), jnp.float32), no_metrics)
+    start = (zeros, zeros, jnp.zeros((stages,) + like.shape, like.dtype),
+             jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, head_params),
+             jnp.zeros((), like.dtype) if first else jnp.zeros_like(xs), jnp.zeros((), jnp.float32), no_metrics)
     carry, _ = lax.scan(tick, start, jnp.arange(count + stages - 1))
     *_, grads, head_grads, input_grads, loss, metrics = carry
-    # only the head gradients the head reads are summed; the others are zeros on every device
-    read = reads(lambda p: head_fn(p, xs[0], 0)[0], head_params)
+    # only the gradients the head (or the part before the stack) reads are summed; the others are zeros everywhere
+    read = reads(lambda p: head_fn(p, zeros, 0)[0], head_params)
+    if first:
+        read = [a or b for a, b in zip(read, reads(lambda p: first(p, 0), head_params))]
+        input_grads = None
     head_leaves, head_tree = jax.tree.flatten(head_grads)
     summed = [g for g, r in zip(head_leaves, read) if r]
     loss, metrics, summed, input_grads = lax.psum(

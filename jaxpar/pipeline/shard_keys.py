@@ -31,10 +31,13 @@ def _split32(x):
     return x >> 16, x & 0xFFFF
 
 
-def _offset_counts(first_row, per_row: int, shape):
-    """The 64-bit flat indices (high, low uint32 arrays of `shape`) of a local array of `shape` whose row 0 is row
-    `first_row` of the whole array: (first_row + r) * per_row + j, with carries."""
-    local = lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(per_row)  # r * per_row: local size < 2 ** 32
+def _offset_counts(first_row, per_row: int, shape, stride: int = 1):
+    """The 64-bit flat indices (high, low uint32 arrays of `shape`) of a local array of `shape` whose row r is row
+    `first_row + r * stride` of the whole array: (first_row + r * stride) * per_row + j, with carries."""
+    if shape and shape[0] * stride * per_row >= 2 ** 32:
+        raise ModelError(f"a random draw of shape {shape} (every {stride}th row of the batch) inside a pipeline "
+                         f"stage: the batch's draw spans more than 2**32 elements; use fewer rows per device")
+    local = lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(per_row * stride)  # r * stride * per_row
     if len(shape) > 1:
         local = local + (lax.iota(jnp.uint32, per_row).reshape(shape[1:]))
     # first_row * per_row as 64 bits from 16-bit halves (each partial product fits 32 bits)
@@ -56,8 +59,8 @@ def _threefry_key(data):
 
 
 @functools.lru_cache(maxsize=None)
-def _impl(rows: int):
-    """The PRNG of a shard of `rows` rows: key data (k1, k2, first row)."""
+def _impl(rows: int, stride: int = 1):
+    """The PRNG of a shard of `rows` rows, every `stride`th row of the whole array: key data (k1, k2, first row)."""
 
     def carry(data, threefry):
         return jnp.concatenate([jax.random.key_data(threefry), data[2:]])
@@ -77,7 +80,7 @@ def _impl(rows: int):
             raise ModelError(f"a random draw of shape {shape} inside a pipeline stage: more than 2**32 elements "
                              f"per device; use more data shards or microbatches")
         if shape and shape[0] == rows:
-            counts_hi, counts_lo = _offset_counts(data[2], math.prod(shape[1:]), shape)
+            counts_hi, counts_lo = _offset_counts(data[2], math.prod(shape[1:]), shape, stride)
         else:  # not over the rows: the whole array's draw, the same on every shard
             counts_hi, counts_lo = _offset_counts(np.uint32(0), math.prod(shape[1:]), shape)
         bits_1, bits_2 = jex_random.threefry2x32_p.bind(data[0], data[1], counts_hi, counts_lo)
@@ -87,15 +90,17 @@ def _impl(rows: int):
         return bits if bit_width == 32 else bits.astype({8: jnp.uint8, 16: jnp.uint16}[bit_width])
 
     return jex_random.define_prng_impl(key_shape=(3,), seed=seed, split=split, random_bits=random_bits,
-                                       fold_in=fold_in, name=f"jaxpar_shard_rows_{rows}", tag=f"shard{rows}")
+                                       fold_in=fold_in, name=f"jaxpar_shard_rows_{rows}_{stride}",
+                                       tag=f"shard{rows}x{stride}")
 
 
-def shard_key(key, first_row, rows: int):
-    """`key` (a typed threefry key) as the key of a shard of `rows` rows starting at row `first_row` of the whole
-    array: its draws over rows are the whole array's draws at those rows."""
+def shard_key(key, first_row, rows: int, stride: int = 1):
+    """`key` (a typed threefry key) as the key of a shard of `rows` rows: rows `first_row`, `first_row + stride`,
+    ... of the whole array (a microbatch's rows when `stride` is the microbatch count); its draws over rows are the
+    whole array's draws at those rows."""
     if not jax.config.jax_threefry_partitionable:
         raise ModelError("dropout in a pipeline stage with data > 1 needs jax_threefry_partitionable (JAX's default) "
                          "so that each data shard can draw its rows of the whole batch's masks; set "
                          "jax.config.update('jax_threefry_partitionable', True)")
     data = jnp.concatenate([jax.random.key_data(key), jnp.asarray(first_row, jnp.uint32)[None]])
-    return jax.random.wrap_key_data(data, impl=_impl(rows))
+    return jax.random.wrap_key_data(data, impl=_impl(rows, stride))

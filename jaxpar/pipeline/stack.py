@@ -154,13 +154,19 @@ class Stack(nnx.Module):
                              f"through stages); build the block's Dropout without rngs and pass rngs at call time "
                              f"(stack(x, rngs=rngs))")
 
+    def by_stage(self, params, stages: int, rounds: int):
+        """The layers' parameters `[L, ...]` as `[S, R, L / (S R), ...]`: stage s's chunk r is the (r S + s)-th run of
+        layers (the leading dimension goes over the stage axis)."""
+        per = self.num_layers // (stages * rounds)
+        return jax.tree.map(lambda a: a.reshape((rounds, stages, per) + a.shape[1:]).swapaxes(0, 1), params)
+
     def _pipelined(self, run: LayerRun, stages: int, params, rest, xs, args, key):
         """GPipe / circular over the stage axis (1F1B evaluates with GPipe's forward)."""
         mesh, pipeline, remat = run.mesh, run.pipeline, run.remat
         rounds = pipeline.rounds
         pipeline.check_layers(self.num_layers, stages, "jaxpar.pipeline.Stack")
         per = self.num_layers // (stages * rounds)
-        by_stage = jax.tree.map(lambda a: a.reshape((rounds, stages, per) + a.shape[1:]).swapaxes(0, 1), params)
+        by_stage = self.by_stage(params, stages, rounds)
         axis = mesh_lib.STAGE_AXIS
 
         rows_axis = shd.stage_rows_axis(mesh)

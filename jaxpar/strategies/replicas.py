@@ -11,9 +11,9 @@ SSP / ASP): fold the replica index into the keys, loss and gradient on the repli
 over the replicas (optionally only over the participating ones), restore the keys, average BatchNorm statistics,
 mean the metrics.
 
-Why about 310 lines: the one step body, the averages it calls and the guard it applies share the replica layout
-(which axis is manual, which copies are stacked); the codecs themselves (`jaxpar.parallel.compression`,
-`fsdp_reduce`) and the metric means on the host side (`jaxpar.train.replica_metrics`) live apart.
+The step body, the averages it calls and the guard it applies share the replica layout (which axis is manual,
+which copies are stacked). The codecs (`jaxpar.parallel.compression`, `fsdp_reduce`) and the metric means on the
+host side (`jaxpar.train.replica_metrics`) live apart.
 """
 
 from __future__ import annotations

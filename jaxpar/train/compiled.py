@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 
 from jaxpar.errors import ConfigError, StateError
+from jaxpar.parallel import context
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.runtime.resources import check_step_memory, device_error, step_flops
@@ -37,7 +38,8 @@ class StepCompiler:
         # a variant whose metrics are one value per replica ([R]) leaves them where they are: gathering them would
         # be a collective over the replica axis; the host takes their mean when they are read (`loop.host_metrics`)
         self.steps = {name: self.jit(variant) for name, variant in trainer.variants.items()}
-        self.evaluate = mesh_lib.in_mesh(jax.jit(trainer.evaluate_step, in_shardings=(
+        self.evaluate = mesh_lib.in_mesh(jax.jit(context.traced(trainer.evaluate_step, trainer.context_parallel),
+                                                 in_shardings=(
             trainer.state_shardings, trainer.batch_sharding), out_shardings=shd.replicated(trainer.mesh)), trainer.mesh)
         self.trace_counts: dict[str, int] = {}  # compilations per step variant (one per batch shape it ran on)
         self.flops: dict = {}  # (variant, batch signature) -> FLOPs of one step on all devices (cost analysis)
@@ -51,7 +53,7 @@ class StepCompiler:
         """The jitted step of a strategy `variant` (built from the trainer's StepContext or another one)."""
         t = self._trainer
         return mesh_lib.in_mesh(jax.jit(
-            guarded_step(variant, t.state_shardings, t.mesh, t.skip_nonfinite),
+            context.traced(guarded_step(variant, t.state_shardings, t.mesh, t.skip_nonfinite), t.context_parallel),
             in_shardings=(t.state_shardings, t.batch_sharding, None),
             out_shardings=(t.state_shardings, None if variant.per_replica_metrics else shd.replicated(t.mesh)),
             donate_argnums=0), t.mesh)

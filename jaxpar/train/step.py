@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from jaxpar.errors import ConfigError, ModelError, StateError
-from jaxpar.pipeline import split
+from jaxpar.pipeline import staged_loss
 from jaxpar.pipeline.stack import splits_loss
 from jaxpar.train.faults import flag_if_not_finite, keep_if_finite
 from jaxpar.train.model_errors import call_user
@@ -153,9 +153,11 @@ def loss_and_grad(graphdef, loss_fn, params, model_state, batch, key, accum: int
     if accum > 1:
         return _accumulated(graphdef, loss_fn, params, model_state, batch, key, accum)
     model = nnx.merge(graphdef, params, model_state)
-    if splits_loss(model):  # 1F1B: the loss cut at the model's stack (its LayerRun, bound by the trainer)
-        return split.loss_and_grad(graphdef, lambda m, b, k: call_loss(loss_fn, m, b, make_rngs(k)), params,
-                                   model_state, batch, key)
+    if splits_loss(model):  # a stage mesh: the loss cut at the model's stack (its LayerRun, bound by the trainer)
+        staged = staged_loss.loss_and_grad(graphdef, lambda m, b, k: call_loss(loss_fn, m, b, make_rngs(k)),
+                                           params, model_state, batch, key)
+        if staged is not None:
+            return staged
     forward = lambda m: call_loss(loss_fn, m, batch, make_rngs(key))  # noqa: E731
     # nnx.value_and_grad (not jax's) lets the model update its own non-parameter state (RNG counters,
     # BatchNorm statistics) under differentiation; gradients are taken with respect to nnx.Param only.

@@ -12,9 +12,8 @@ Parameters and optimizer state are created already sharded: the model is built a
 logical axis names are mapped to `NamedSharding`s, and the real values are created inside
 `jax.jit(init, out_shardings=...)`, so no device ever holds a whole sharded parameter.
 
-Beside it: its argument checks and the train state's layout (`setup.py`), its jitted step variants and the
-bookkeeping of their compilations (`compiled.py`), batch placement and the batches it knows (`batches.py`,
-`batch_cache.py`), the fit loop (`loop.py`), and the pricer that `hardware` brings (`pricer.py`).
+Beside it: argument checks and the state's layout (`setup.py`), the jitted steps (`compiled.py`), batches
+(`batches.py`, `batch_cache.py`), the fit loop (`loop.py`), and the pricer that `hardware` brings (`pricer.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxpar.errors import ModelCallError
+from jaxpar.parallel import context
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline.config import Pipeline
@@ -91,6 +91,8 @@ class Trainer:
       remat: rematerialization, what the backward recomputes instead of keeping: "none" (default, or None),
         "full", "dots", "dots-no-batch", or a `jax.checkpoint_policies` callable (`jaxpar.train.remat`). Per layer
         in a `jaxpar.pipeline.Stack` (the built-in transformer's blocks); for a model without one, the whole forward.
+      context_parallel: on a seq > 1 mesh, `jaxpar.attention`'s algorithm: "allgather" (default), "ring", "ulysses"
+        or a `jaxpar.parallel.context.ContextParallel` (e.g. the ring without zig-zag).
 
     A bad argument raises a `jaxpar.JaxparError` subclass naming it (a model factory that raises: `ModelError`); a
     `loss_fn` that returns anything but
@@ -108,11 +110,12 @@ class Trainer:
                  optimizer: optax.GradientTransformation, mesh: Mesh, rules=None, strategy: Strategy | None = None,
                  grad_accum: int = 1, eval_loss_fn: LossFn | None = None, skip_nonfinite: bool = True,
                  hardware=None, pipeline: Pipeline | None = None, batch_axis_names=(), strict: bool = False,
-                 path_rules=None, remat=None):
+                 path_rules=None, remat=None, context_parallel=None):
         ensure_compile_cache()  # before the first compilation (`jaxpar.use_compile_cache` chooses another folder)
         self.remat = policy_of(remat)
         check_arguments(model, loss_fn, eval_loss_fn, optimizer, mesh, strategy, grad_accum, skip_nonfinite)
         self.pipeline = check_pipeline(pipeline)
+        self.context_parallel = context.settings_for(context_parallel, mesh)  # what jaxpar.attention runs on seq
         self.pricer = pricer_for(hardware)  # prices sim_time on a hardware profile (`jaxpar.train.pricer`), or None
         strategy = strategy or Sync()
         self.strategy = strategy if self.pricer is None else self.pricer.strategy_for(strategy, mesh)
@@ -130,8 +133,7 @@ class Trainer:
         self.mesh, self.skip_nonfinite, self.grad_accum = mesh, skip_nonfinite, grad_accum
         self.num_replicas = mesh_lib.replica_count(mesh)  # asked every step (the clock): a mesh never changes
         self.batch_divisor = mesh_lib.batch_ways(mesh)  # a global batch divides by this: data x fsdp
-        self.rules = shd.DEFAULT_RULES if rules is None else rules
-        self.strict, self.path_rules = strict, path_rules
+        self.strict, self.path_rules, self.rules = strict, path_rules, (shd.DEFAULT_RULES if rules is None else rules)
         self.batch_axis_names = check_axis_names(batch_axis_names, mesh.axis_names)
 
     def _lay_out_state(self, loss_fn, eval_loss_fn) -> None:
@@ -196,12 +198,10 @@ class Trainer:
         """Bytes the train state takes on the fullest device (parameters, optimizer and strategy state)."""
         return self._states.bytes_per_device()
 
-    def local_rows(self, global_size: int) -> np.ndarray:
-        """The rows of a global batch of `global_size` rows that this process loads (see `BatchPlacer`)."""
+    def local_rows(self, global_size: int) -> np.ndarray:  # this process's rows of a global batch (`BatchPlacer`)
         return self.batches.local_rows(global_size)
 
-    def global_rows(self, local_size: int) -> int:
-        """The global batch size of which `local_size` rows are this process's share."""
+    def global_rows(self, local_size: int) -> int:  # the global batch size of which `local_size` rows are ours
         return self.batches.global_rows(local_size)
 
     def shard_batch(self, batch: Mapping[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:

@@ -42,6 +42,16 @@ def test_factorizations_are_every_ordered_product():
     assert advisor.mesh_specs(2) == ["data=2,fsdp=1,model=1", "data=1,fsdp=2,model=1", "data=1,fsdp=1,model=2"]
 
 
+def test_long_sequences_add_seq_meshes():
+    from jaxpar.advisor.candidates import LONG_SEQUENCE, long_sequence
+
+    assert advisor.mesh_specs(2, seq=True) == ["data=2,fsdp=1,seq=1,model=1", "data=1,fsdp=2,seq=1,model=1",
+                                               "data=1,fsdp=1,seq=2,model=1", "data=1,fsdp=1,seq=1,model=2"]
+    assert len(advisor.mesh_specs(8, seq=True)) == 20 and len(advisor.mesh_specs(8)) == 10
+    assert long_sequence({"tokens": jax.ShapeDtypeStruct((4, LONG_SEQUENCE + 1), np.int32)})
+    assert not long_sequence({"tokens": np.zeros((4, 129), np.int32)}) and not long_sequence(BATCH)
+
+
 def test_a_slow_data_link_sends_the_plan_to_fsdp_and_a_slow_fsdp_link_to_data():
     slow_data = "flops=1e12,alpha=1e-6,bandwidth=1e12,data.alpha=1e-3,data.bandwidth=1e6"
     result = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, slow_data, 4, meshes=MESHES, remats=("none",))
@@ -83,6 +93,7 @@ def test_a_mesh_the_model_does_not_divide_over_is_refused_with_its_reason():
     assert "not divisible by mesh axis 'model' of size 4" in result["refused"]["data=1,fsdp=1,model=4"]
 
 
+@pytest.mark.slow
 def test_cli_plan_prints_the_flags_of_the_best_plans_and_writes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run.main(["--model", "mlp", "--plan", "--hardware", "a100-eth10", "--devices", "4"]) == 0
@@ -158,6 +169,7 @@ def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
     assert one["remat_mesh"] == two["remat_mesh"] and len(one["plans"]) > len(MESHES)
 
 
+@pytest.mark.slow
 def test_cli_plan_notes_a_profile_calibrated_on_another_model(tmp_path, capsys, monkeypatch):
     from jaxpar.cost.builtin_profiles import PROFILES
     from jaxpar.cost.profile_json import save_profile

@@ -73,6 +73,7 @@ def test_the_measurements_run_on_the_devices():
         assert 0 < seconds < 1.0, kind
 
 
+@pytest.mark.slow
 def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     out = tmp_path / "machine.json"
     code = cli.main(["--mesh", "2x4", "--out", str(out), "--sizes", "4096,65536", "--matmul-sizes", "64",
@@ -80,7 +81,7 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
     assert code == 0
     profile = json.loads(out.read_text())
     assert profile["flops"] > 0 and set(profile["links"]) == {"data", "stage", "fsdp", "model"}
-    assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "model": 4}
+    assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "seq": 1, "model": 4}
     assert os.listdir(tmp_path) == ["machine.json"]
     assert f"use it with run.py --hardware {out}" in capsys.readouterr().err
     loaded = jaxpar.parse_hardware(str(out))  # what --hardware FILE reads
@@ -106,6 +107,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(argv, needle, capsys):
     assert len(err) == 1 and needle in err[0], err
 
 
+@pytest.mark.slow
 def test_across_two_processes_the_axis_between_them_is_told_apart(tmp_path):
     out = tmp_path / "two.json"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -251,6 +253,7 @@ def test_a_codec_is_timed_on_the_devices():
     assert timed["powersgd:4"]["flops_per_element"] == 6 * 4 + 2 + 4 * 4 ** 2 / 512  # 6R + 2 + the QR's 4R^2/m
 
 
+@pytest.mark.slow
 def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_measured():
     """The reference runs are timed by a fake machine whose step costs exactly fixed + P / u + C: the calibration
     recovers u and the fixed cost, and the profile it writes projects the reference's measured time."""
@@ -281,6 +284,7 @@ def test_a_models_step_is_calibrated_on_a_fake_machine_and_projects_what_was_mea
     assert math.isclose(priced.launch + compute + comm, seen[2], rel_tol=1e-6)  # the reference at 64, projected back
 
 
+@pytest.mark.slow
 def test_a_reference_batch_larger_than_the_dataset_is_timed_on_synthetic_batches():
     """--model mlp --batch-size 256: the reference reaches 16 x 256 = 4,096 rows, more than the 1,497 of the digits
     training split; the batches are synthetic, of the model's shapes, so every size is measured."""
@@ -343,7 +347,7 @@ def test_without_a_mesh_a_cpu_machine_gets_the_devices_run_py_makes(module, tmp_
                             cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(out.read_text())["calibration"]["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "model": 1}
+    assert json.loads(out.read_text())["calibration"]["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "seq": 1, "model": 1}
 
 
 @pytest.mark.slow

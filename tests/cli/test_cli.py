@@ -18,11 +18,12 @@ def cli(*args, env_extra=None):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
     done = cli("--mesh", "2x4", "--steps", "4", "--log-every", "2", "--metrics", str(metrics))
     assert done.returncode == 0, done.stderr
-    assert "on mesh data=2 x stage=1 x fsdp=1 x model=4 (8 cpu devices)" in done.stdout
+    assert "on mesh data=2 x stage=1 x fsdp=1 x seq=1 x model=4 (8 cpu devices)" in done.stdout
     assert "step 4/4" in done.stdout and "held-out at step 4:" in done.stdout
     config, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert config["mesh"] == "2x4" and config["steps"] == 4 and config["layers"] == 2 and config["hidden"] is None
@@ -32,6 +33,7 @@ def test_cli_trains_the_transformer_on_a_2x4_mesh_and_writes_jsonl(tmp_path):
     assert "eval_perplexity" in records[3]
 
 
+@pytest.mark.slow
 def test_cli_mesh_that_cannot_fit_the_user_chosen_devices_fails_in_one_line():
     done = cli("--mesh", "4x4", env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     assert done.returncode == 2
@@ -40,6 +42,7 @@ def test_cli_mesh_that_cannot_fit_the_user_chosen_devices_fails_in_one_line():
     assert "Traceback" not in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_cli_strategy_run_logs_simulated_time_and_staleness(tmp_path, capsys):
     metrics = tmp_path / "ssp.jsonl"
     assert run.main(["--mesh", "4x2", "--model", "mlp", "--strategy", "ssp", "--staleness", "1", "--stragglers",
@@ -50,6 +53,7 @@ def test_cli_strategy_run_logs_simulated_time_and_staleness(tmp_path, capsys):
     assert "strategy ssp" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_eval_every_logs_held_out_metrics_and_large_batch_flags_take_effect(tmp_path):
     metrics = tmp_path / "m.jsonl"
     assert run.main(["--mesh", "4x2", "--model", "cnn", "--steps", "6", "--eval-every", "3", "--log-every", "1",
@@ -71,6 +75,7 @@ def test_tiny_held_out_split_is_refused_before_training(tmp_path, capsys):
     assert not (tmp_path / "m.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_evaluation_is_not_subject_to_grad_accum(capsys):
     assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "2", "--batch-size", "96", "--grad-accum", "4"]) == 0
     assert "held-out at step 2" in capsys.readouterr().out
@@ -95,16 +100,18 @@ def test_bad_config_files_are_one_line_errors(tmp_path, capsys, body, message):
     assert message in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_large_digits_batch_still_evaluates_the_whole_test_split(capsys):
     assert run.main(["--model", "mlp", "--mesh", "8", "--steps", "2", "--batch-size", "512", "--optimizer",
                      "momentum", "--lr", "0.05"]) == 0
     assert "held-out at step 2: accuracy" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_config_preset_with_flag_override(tmp_path, capsys):
     assert run.main(["--config", os.path.join(ROOT, "configs", "mlp.py"), "--steps", "3", "--log-every", "1"]) == 0
     out = capsys.readouterr().out
-    assert "jaxpar: mlp" in out and "on mesh data=8 x stage=1 x fsdp=1 x model=1" in out and "step 3/3" in out
+    assert "jaxpar: mlp" in out and "on mesh data=8 x stage=1 x fsdp=1 x seq=1 x model=1" in out and "step 3/3" in out
 
 
 @pytest.mark.parametrize("args, message", [

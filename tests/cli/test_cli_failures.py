@@ -91,6 +91,7 @@ def test_an_existing_metrics_file_survives_a_run_that_fails_before_training(tmp_
     assert metrics.read_text() == before and not leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_run_that_ends_in_an_error_keeps_a_complete_strict_jsonl(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     metrics_file(metrics, {"step": 1, "loss": 2.0})  # an earlier run's file: replaced, not appended to
@@ -203,6 +204,7 @@ def test_staleness_and_local_after_beyond_the_run_are_capped_for_the_strategy():
     assert strategy_from_config(local).local_after == 64
 
 
+@pytest.mark.slow
 def test_huge_staleness_local_after_and_an_unreachable_ramp_stage_train(tmp_path, capsys):
     assert run.main([*MLP, "--strategy", "ssp", "--staleness", "20000", "--steps", "3"]) == 0
     out = capsys.readouterr().out
@@ -240,6 +242,7 @@ def test_config_file_without_py_extension_loads_and_huge_ints_are_refused(tmp_pa
 
 
 # --- 6. divergence -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_divergence_names_the_flag_that_was_set(capsys):
     fails([*MLP, "--steps", "4", "--optimizer", "sgd", "--lr", "1e6", "--on-nonfinite", "abort"], capsys,
           contains="; lower --lr (it is 1e+06 with --optimizer sgd; try 10x smaller)")
@@ -295,6 +298,7 @@ def test_binary_data_trains_on_raw_bytes_with_a_note(tmp_path):
 
 
 # --- 10. SIGTERM -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_ends_the_run_like_ctrl_c_and_keeps_the_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
     env = child_env()
@@ -350,6 +354,7 @@ def test_strategy_errors_found_against_the_mesh_name_the_flag(args, message, cap
     assert err == f"run.py: error: {message}\n"
 
 
+@pytest.mark.slow
 def test_progress_output_says_what_is_true(capsys, tmp_path):
     """No sim_time without stragglers; no "at first" without a ramp; ASP without stragglers is said to be sync;
     SSP / ASP progress shows the contributing batch."""
@@ -369,6 +374,7 @@ def test_progress_output_says_what_is_true(capsys, tmp_path):
     assert [r["batch_size"] for r in records[:2]] == [24.0, 32.0]
 
 
+@pytest.mark.slow
 def test_a_batch_ramp_recompile_is_labelled_in_the_record_that_pays_for_it(capsys, tmp_path):
     metrics = tmp_path / "m.jsonl"
     assert run.main(["--model", "mlp", "--mesh", "8", "--batch-ramp", "32:0,64:2", "--steps", "4", "--log-every", "1",

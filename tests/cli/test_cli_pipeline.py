@@ -180,6 +180,7 @@ def test_a_resumed_run_may_change_the_schedule_and_repeats_and_microbatches_with
 
 
 # --- end to end ----------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_tiny_1f1b_run_on_two_stages_trains():
     done = subprocess.run([sys.executable, "run.py", "--mesh", "stage=2", "--model", "transformer", *TINY[:-2],
                            "--steps", "2", "--pipeline", "1f1b", "--microbatches", "2"], cwd=ROOT, env=child_env(),

@@ -40,6 +40,7 @@ def wait_for(predicate, process, timeout=120):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [
     [],
     ["--strategy", "local_sgd", "--sync-period", "3"],  # checkpoint at 4 and 8: between the meetings at 3, 6, 9
@@ -79,6 +80,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(strategy, 
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_durable_checkpoint_and_exits_0(tmp_path):
     folder, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     process = start([*BASE, "--steps", "100000", "--checkpoint-dir", str(folder), "--checkpoint-every", "1000",
@@ -109,6 +111,7 @@ def finished(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--lr", "0.02", "--hidden", "64"], "the checkpoint of step 3 was written with another config: --hidden 64 "
                                          "(checkpoint: 128), --lr 0.02 (checkpoint: 0.01); resume with the "
@@ -155,6 +158,7 @@ def test_resume_required_refuses_an_empty_folder_and_creates_none(tmp_path, caps
     assert not folder.exists()  # a run that saved nothing leaves no folder behind
 
 
+@pytest.mark.slow
 def test_superseded_checkpoints_are_never_replaced(tmp_path, capsys):
     """Resuming an older step twice (the first time with another strategy): each set-aside step 4 is kept."""
     folder = tmp_path / "ckpt"
@@ -174,6 +178,7 @@ def test_superseded_checkpoints_are_never_replaced(tmp_path, capsys):
     assert sorted(os.listdir(aside)) == ["4", "4.1"]
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_not_a_checkpoint_gets_one_line_and_no_orbax_warnings(tmp_path):
     (tmp_path / "5").mkdir()
     (tmp_path / "5" / "notes.txt").write_text("not a checkpoint")

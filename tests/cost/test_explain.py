@@ -1,5 +1,6 @@
 """`jaxpar.explain` against hand-computed numbers, and `run.py --explain` / `--hardware` from the command line."""
 
+import pytest
 import json
 
 import numpy as np
@@ -123,6 +124,7 @@ def test_unexplained_collectives_are_flagged():
     assert not expected(Collective("all-to-all", 4096, 2, ("model",)), "meet", trainer)
 
 
+@pytest.mark.slow
 def test_cli_explain_prints_the_plan_and_trains_nothing(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     code = run.main(["--model", "mlp", "--mesh", "2x4", "--explain", "--hardware", "a100-ib100",
@@ -135,6 +137,7 @@ def test_cli_explain_prints_the_plan_and_trains_nothing(tmp_path, capsys):
     assert not metrics.exists()  # nothing trained, nothing half-written
 
 
+@pytest.mark.slow
 def test_cli_hardware_prices_sim_time_and_sets_the_utilisation_peak(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     assert run.main(["--model", "mlp", "--mesh", "4x2", "--strategy", "local_sgd", "--sync-period", "2", "--steps",

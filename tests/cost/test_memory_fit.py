@@ -97,6 +97,7 @@ def test_a_model_too_big_for_the_budget_is_told_to_split():
     assert "split the model over more devices" in advice["suggestion"]["reason"]
 
 
+@pytest.mark.slow
 def test_cli_explain_prints_the_table_and_the_suggestion(capsys):
     assert run.main(["--model", "mlp", "--mesh", "2x4", "--explain", "--hardware", "a100-nvlink,memory=1e9"]) == 0
     out = capsys.readouterr().out

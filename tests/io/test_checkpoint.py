@@ -217,6 +217,7 @@ def test_no_manifest_is_written_after_wait_returns(tmp_path, monkeypatch):
     assert checkpoints.restore(trainer)[0] is not None
 
 
+@pytest.mark.slow
 def test_an_interrupted_save_is_never_listed(tmp_path):
     """SIGKILL right after `save` returns (the write still running in orbax's background thread)."""
     script = textwrap.dedent(f"""

@@ -54,6 +54,7 @@ def test_the_arrays_of_an_old_checkpoint_read_exactly(kind):
         assert arrays[name].dtype == expected[name].dtype and np.array_equal(arrays[name], expected[name]), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_old_checkpoint_resumes_to_the_same_losses(kind, tmp_path, capsys):
     folder = copied(kind, tmp_path)
@@ -72,6 +73,7 @@ def test_an_old_checkpoint_resumes_to_the_same_losses(kind, tmp_path, capsys):
 AVERAGED = "the 4 replicas' parameters, optimizer and BatchNorm states were averaged, as at a meeting"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, note", [
     (["--mesh", "8"], f"this run is local_sgd on 8 replicas: {AVERAGED}"),
     (["--strategy", "sync"], f"this run is sync on 4 replicas: {AVERAGED}; strategy state of the new strategy "

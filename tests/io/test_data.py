@@ -79,12 +79,6 @@ def test_default_corpus_is_real_local_text_and_deterministic():
     assert b"def " in tokens.tobytes() or b"import" in tokens.tobytes()
 
 
-def test_synthetic_source_for_benchmarks():
-    images = data.SyntheticSource("image", size=64)
-    assert images[np.arange(4)]["image"].shape == (4, 8, 8, 1)
-    assert data.SyntheticSource("tokens", size=16, seq_len=32)[np.arange(2)]["tokens"].shape == (2, 33)
-
-
 def test_batches_load_only_the_rows_a_process_holds():
     full = data.Batches(source(100), 8, seed=3)
     part = data.Batches(source(100), 8, seed=3, rows=lambda size: np.array([2, 3, 6, 7]))
@@ -234,6 +228,8 @@ def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_on
     old_train, old_val = data.split_text(data.load_text(None), seq_len=16)  # the whole corpus in memory
     old = data.text_batches(old_train, 8, 16, seed=3)
     train, held_out = datasets(config, lambda step: 8, 8)
+    assert train.read_ahead == data.DEFAULT_READ_AHEAD  # a run builds batches ahead: the same batches
+    train.read_ahead = 0  # (bytes counted exactly: without the batches a thread would have built ahead)
     for _ in range(5):
         np.testing.assert_array_equal(next(train)["tokens"], next(old)["tokens"])
     np.testing.assert_array_equal(held_out[np.arange(10)]["tokens"], data.TextWindows(old_val, 16)[np.arange(10)]["tokens"])
@@ -241,10 +237,12 @@ def test_a_run_builds_the_batches_of_the_corpus_in_memory_and_a_process_reads_on
     assert corpus.bytes_read == 5 * 8 * 17 + 10 * 16 + 1  # 40 training windows, 10 consecutive held-out ones
     half, _ = datasets(config, lambda step: 8, 8)
     half.rows = lambda size: np.arange(size // 2, size)  # the second of two processes' rows
+    half.read_ahead = 0
     np.testing.assert_array_equal(next(half)["tokens"], next(data.text_batches(old_train, 8, 16, seed=3))["tokens"][4:])
     assert half.source.tokens.corpus.bytes_read == 4 * 17
 
 
+@pytest.mark.slow
 def test_two_processes_draw_the_rows_of_the_one_process_batches_reading_half_the_bytes(tmp_path):
     # 2 processes x 1 CPU device (tests/distributed_data.py) against this process drawing every row
     from jaxpar.cli.build import datasets

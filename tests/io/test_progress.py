@@ -2,10 +2,16 @@
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
-from jaxpar.io.metrics import RunLogger
+from jaxpar.io.metrics import EVAL_PREFIX, RunLogger
+
+# Every key a step record may hold besides the loss function's own metrics: docs/metrics.md, "The JSONL schema"
+STEP_KEYS = {"step", "loss", "lr", "batch_size", "samples_per_sec", "elapsed_sec", "tokens_per_sec", "flops_per_sec",
+             "flops_utilization", "includes_compilation", "sim_time", "skipped", "nonfinite", "skipped_steps",
+             "replica_divergence", "staleness_mean", "staleness_max", "contributors", "version_buffer"}
 
 
 class Terminal(io.StringIO):
@@ -48,6 +54,7 @@ def test_tokens_per_second_is_recorded_for_a_language_model(tmp_path):
         RunLogger(1, 8, 1, progress="fancy")
 
 
+@pytest.mark.slow
 def test_tensorboard_event_files_hold_every_logged_number(tmp_path, capsys):
     import run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -117,6 +124,7 @@ def test_flops_per_second_and_utilisation_are_recorded(tmp_path, monkeypatch):
     assert 1.0 <= records[2]["flops_per_sec"] / (matmuls / 0.5) <= 1.2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [[], ["--strategy", "local_sgd", "--sync-period", "2"],
                                       ["--strategy", "diloco", "--sync-period", "2"],
                                       ["--strategy", "ssp", "--stragglers", "1:2.0"],
@@ -125,7 +133,6 @@ def test_flops_per_second_and_utilisation_are_recorded(tmp_path, monkeypatch):
                          ids=["sync", "local_sgd", "diloco", "ssp", "asp", "abort"])
 def test_every_record_key_of_every_strategy_is_in_the_documented_schema(strategy, tmp_path, capsys):
     import run
-    from jaxpar.io.metrics import EVAL_PREFIX, STEP_KEYS
 
     path = tmp_path / "m.jsonl"
     assert run.main(["--model", "mlp", "--mesh", "4x2", "--steps", "4", "--log-every", "1", "--eval-every", "2",
@@ -146,3 +153,8 @@ def test_every_record_key_of_every_strategy_is_in_the_documented_schema(strategy
     name = strategy[strategy.index("--strategy") + 1] if "--strategy" in strategy else "sync"
     name = "abort" if "abort" in strategy else name
     assert expected[name] | {"sim_time", "flops_per_sec", "lr", "batch_size"} <= keys
+
+
+def test_the_documented_schema_names_every_step_key():
+    schema = Path(__file__).parents[2].joinpath("docs", "metrics.md").read_text().split("## The JSONL schema")[1]
+    assert [k for k in sorted(STEP_KEYS) if f"`{k}`" not in schema and f"`{k}:" not in schema] == []

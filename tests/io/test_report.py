@@ -36,6 +36,7 @@ def png_size(path):
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
+@pytest.mark.slow
 def test_report_of_runs_that_run_py_wrote(jsonl, tmp_path, capsys):
     capsys.readouterr()
     out, table_file = tmp_path / "report.png", tmp_path / "table.md"
@@ -64,6 +65,7 @@ def test_report_of_runs_that_run_py_wrote(jsonl, tmp_path, capsys):
                                      f"{evals[-1]['eval_loss']:.4g}", f"{median:.4g}", sim, "completed |"], line
 
 
+@pytest.mark.slow
 def test_the_figure_draws_the_records_of_the_jsonl(jsonl):
     runs = [report.Run(jsonl[name]) for name in RUNS]
     axes = report.figure(runs).axes
@@ -90,6 +92,7 @@ def test_the_figure_draws_the_records_of_the_jsonl(jsonl):
     assert len(report.figure(runs[:1]).axes) == 1  # sync alone: the loss panel only
 
 
+@pytest.mark.slow
 def test_output_naming_a_folder_writes_report_png_in_it(jsonl, tmp_path, capsys):
     folder = tmp_path / "m"
     folder.mkdir()
@@ -100,6 +103,7 @@ def test_output_naming_a_folder_writes_report_png_in_it(jsonl, tmp_path, capsys)
     png_size(folder / "report.png")
 
 
+@pytest.mark.slow
 def test_output_without_an_extension_says_the_file_really_written(jsonl, tmp_path, capsys):
     capsys.readouterr()
     assert report.main([jsonl["sync"], "-o", str(tmp_path / "n")]) == 0
@@ -107,6 +111,7 @@ def test_output_without_an_extension_says_the_file_really_written(jsonl, tmp_pat
     assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'n.png'}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["missing folder", "a folder", "under a file"])
 def test_an_unwritable_table_is_blamed_on_table_and_nothing_is_written(where, jsonl, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
@@ -137,6 +142,7 @@ def test_bad_input_is_one_line_and_writes_nothing(content, message, tmp_path, ca
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_an_output_folder_that_does_not_exist_is_refused(jsonl, tmp_path, capsys):
     capsys.readouterr()
     assert report.main([jsonl["sync"], "-o", str(tmp_path / "missing" / "r.png")]) == 2

@@ -231,6 +231,7 @@ def test_dropout_draws_from_call_time_rngs_and_follows_the_seed_on_every_mesh():
     np.testing.assert_allclose(losses, reference, rtol=RTOL, err_msg="2x4")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_dropout_on_a_stage_mesh_equals_1x1_with_the_same_microbatches(schedule):
     """On data=2,stage=2,model=2 the vocabulary is tensor-parallel: 1F1B's head on the last stage once crashed XLA's
@@ -371,13 +372,25 @@ def test_a_checkpoint_of_the_unstacked_model_does_not_restore_into_the_llama_blo
         Checkpointer(str(tmp_path / "old")).restore(trainer_for("1x1", LLAMA, optimizer=optax.adamw(1e-2)))
 
 
+@pytest.mark.slow
 def test_the_cli_trains_the_llama_and_the_gpt_block(tmp_path):
+    """Each block through run.py: the metrics file records the chosen block, a loss every step that falls on a
+    repetitive text, and the held-out evaluation."""
+    import json
+
     import run
 
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     for block in BLOCKS:
+        path = tmp_path / f"{block}.jsonl"
         code = run.main(["--block", block, "--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64",
-                         "--seq-len", "16", "--mesh", "1x1", "--steps", "2", "--batch-size", "4", "--eval-batches",
-                         "1", "--data", str(text)])
+                         "--seq-len", "16", "--mesh", "1x1", "--steps", "8", "--batch-size", "4", "--log-every", "1",
+                         "--eval-batches", "1", "--lr", "1e-2", "--data", str(text), "--metrics", str(path)])
         assert code == 0, block
+        config, *records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert config["block"] == block
+        losses = [r["loss"] for r in records if "loss" in r]
+        assert len(losses) == 8, (block, records)
+        assert np.mean(losses[-2:]) < losses[0] - 0.3, (block, losses)
+        assert any("eval_loss" in r for r in records), block

@@ -168,6 +168,7 @@ def fsdp_gradient_bytes(trainer):
     return sum(bytes_sent(op) for op in ops if op.axes == (FSDP_AXIS,) and fsdp_hook.written_by_jaxpar(op))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["data=2,fsdp=2,model=2", "data=2,fsdp=4"])
 @pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
 def test_compiled_fsdp_bytes_match_the_codecs_count(mesh, codec):

@@ -48,6 +48,7 @@ def run_steps(trainer, steps, same_batch=False, size=16):
     return state, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls,local_after", [(jaxpar.LocalSGD, 0), (jaxpar.LocalSGD, 1), (jaxpar.DiLoCo, 0)])
 def test_compress_none_is_todays_meeting_bit_for_bit(cls, local_after):
     a, la = run_steps(trainer_for("mlp", "8", strategy=cls(period=2, local_after=local_after, compress="none")), 5)
@@ -81,6 +82,7 @@ def test_a_bf16_meeting_is_the_mean_within_bfloat16_rounding_of_the_outer_gradie
             np.testing.assert_array_equal(theta[r], got)
 
 
+@pytest.mark.slow
 def test_int8_error_feedback_over_two_meetings_matches_numpy():
     """At each meeting replica i sends v_i = (anchor - theta_i) + old residual_i as int8 codes; its new residual is
     v_i - decode(encode(v_i)) and the new anchor is anchor - mean_i decode(encode(v_i))."""
@@ -113,6 +115,7 @@ class FullRankPowerSGD(cz.PowerSGD):
         return len(shape) >= 2
 
 
+@pytest.mark.slow
 def test_powersgd_at_full_rank_meets_like_the_uncompressed_meeting():
     """Rank 32 >= min(n, m) of both MLP kernels (64 x 32, 32 x 10) from a random (full-rank) Q: P Q^T is the mean
     outer gradient, so the first meeting ends where the uncompressed one does, to float32 rounding of the QR and the
@@ -137,6 +140,7 @@ def test_powersgd_at_full_rank_meets_like_the_uncompressed_meeting():
         np.testing.assert_allclose(got + r0.mean(0) - r1.mean(0), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
 def test_diloco_with_a_codec_trains_and_its_replicas_restart_identical(codec):
     _, plain = run_steps(trainer_for("mlp", "2x4", strategy=jaxpar.DiLoCo(period=2)), 8, same_batch=True)
@@ -153,6 +157,7 @@ def test_diloco_with_a_codec_trains_and_its_replicas_restart_identical(codec):
     assert all(r.shape[0] == 2 for r in residuals(state)) if codec in ("int8", "powersgd:2") else True
 
 
+@pytest.mark.slow
 def test_post_local_warm_up_is_uncompressed_and_leaves_the_codec_state_alone():
     """local_after=2: the two synchronous steps average gradients as the uncompressed strategy does (bit for bit,
     float32 all-reduce, no all-gather over data); the residuals stay 0 until the first meeting."""
@@ -171,6 +176,7 @@ def test_post_local_warm_up_is_uncompressed_and_leaves_the_codec_state_alone():
     assert any(np.abs(r).max() > 0 for r in residuals(b))
 
 
+@pytest.mark.slow
 def test_a_skipped_meeting_keeps_the_old_codec_state():
     """An outer step that overflows: the meeting is skipped as a whole, the int8 residuals included (they stay 0;
     the meeting that was skipped had made them non-zero)."""
@@ -209,6 +215,7 @@ def test_int8_gives_a_nan_chunk_a_non_finite_scale():
     assert not np.isfinite(np.asarray(cz.int8_decode(codes, scales, 300))[:256]).any()
 
 
+@pytest.mark.slow
 def test_residuals_restore_onto_another_replica_count_averaged(tmp_path):
     strategy = jaxpar.LocalSGD(period=2, compress="int8")
     trainer = trainer_for("mlp", "8", strategy=strategy)
@@ -228,6 +235,7 @@ def test_residuals_restore_onto_another_replica_count_averaged(tmp_path):
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm,codec", [("psum", "bf16"), ("psum", "fp16"), ("psum", "int8"),
                                              ("psum", "powersgd:2"), ("ring", "bf16"), ("ring", "int8")])
 def test_compiled_meeting_wire_bytes_match_the_codecs_count_on_8(algorithm, codec):
@@ -267,6 +275,7 @@ def test_a_bad_codec_with_local_sgd_is_one_line(capsys):
         jaxpar.LocalSGD(compress="int4")
 
 
+@pytest.mark.slow
 def test_local_sgd_compresses_without_an_explicit_allreduce(capsys):
     """Its meetings are always a hand-written exchange (psum by default), so unlike Sync() there is one to wrap."""
     assert isinstance(jaxpar.DiLoCo(compress="int8").communicator, cz.CompressedCommunicator)

@@ -32,6 +32,7 @@ def run(model, mesh, steps=5, dropout=0.0):
     return trainer.params(state), np.array(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "cnn", "transformer"])
 def test_same_seed_and_batch_give_the_same_training_on_every_mesh(model):
     """Data, FSDP and tensor parallelism and their mixes: the CNN with synchronised BatchNorm, the transformer with

@@ -81,14 +81,14 @@ def test_the_model_fails_without_a_mesh_in_scope():
 
 def test_make_mesh_with_the_models_own_names():
     mesh = jaxpar.make_mesh("fsdp=4,tp=2", roles=ROLES, axis_types="explicit")
-    assert mesh.axis_names == ("data", "stage", "fsdp", "tp")
-    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "tp": 2}
+    assert mesh.axis_names == ("data", "stage", "fsdp", "seq", "tp")
+    assert dict(mesh.shape) == {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tp": 2}
     assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
     auto = jaxpar.make_mesh("data=2,fsdp=2,tp=2", roles=ROLES)
-    assert auto.axis_names == ("data", "stage", "fsdp", "tp")
+    assert auto.axis_names == ("data", "stage", "fsdp", "seq", "tp")
     assert all(t == jax.sharding.AxisType.Auto for t in auto.axis_types)
     today = jaxpar.make_mesh("2x4")
-    assert today.axis_names == ("data", "stage", "fsdp", "model")
+    assert today.axis_names == ("data", "stage", "fsdp", "seq", "model")
     assert all(t == jax.sharding.AxisType.Auto for t in today.axis_types)
 
 
@@ -143,4 +143,60 @@ def test_sync_equals_one_device(reference, spec, cfg):
 def test_the_explicit_strategies_are_refused_with_one_line(strategy):
     with pytest.raises(jaxpar.ConfigError, match="shard_map over the replica axis") as caught:
         trainer("data=2,fsdp=2,tp=2", cfg=ShardingCfg(batch=("data", "fsdp")), strategy=strategy())
+    assert "\n" not in str(caught.value)
+
+
+def test_without_data_in_the_models_batch_axes_a_data_axis_fails_in_one_line():
+    """docs/library.md: on data=2,fsdp=2,tp=2 the activations must name ("data", "fsdp"), set through the model's
+    own config (test_sync_equals_one_device trains that run); the default ("fsdp",) is one ModelError line."""
+    with pytest.raises(jaxpar.ModelError, match=r"^step 0, batch .*: the model or loss_fn raised ShardingTypeError: ") \
+            as caught:
+        run(trainer("data=2,fsdp=2,tp=2"), steps=1)
+    assert "\n" not in str(caught.value)
+
+
+class TinyLm(nnx.Module):
+    """Features in, logits over a vocabulary split over tp out: P(batch, None, "tp"), as an LM head's."""
+
+    def __init__(self, d=8, vocab=16, *, cfg=ShardingCfg(), rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, vocab), out_sharding=P(None, "tp")))
+
+    def __call__(self, x):
+        return jnp.einsum("bld,dv->blv", x, self.head[...], out_sharding=self.cfg.act(None, "tp"))
+
+
+def resharded_loss(model, batch):  # the recipe of docs/library.md: the vocabulary whole before the label gather
+    logits = jax.sharding.reshard(model(batch["x"]), model.cfg.act(None, None))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), {}
+
+
+def gathered_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["labels"]).mean(), {}
+
+
+def lm_run(spec, loss, steps=3):
+    cfg = ShardingCfg(batch=("data", "fsdp"))
+    t = jaxpar.Trainer(lambda rngs: TinyLm(cfg=cfg, rngs=rngs), loss, optax.adam(1e-2),
+                       jaxpar.make_mesh(spec, roles=ROLES, axis_types="explicit"))
+    rng = np.random.default_rng(1)
+    state, losses = t.init(0), []
+    for _ in range(steps):
+        batch = {"x": rng.normal(size=(8, 4, 8)).astype(np.float32),
+                 "labels": rng.integers(0, 16, (8, 4)).astype(np.int32)}
+        state, metrics = t.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, t.params(state)
+
+
+def test_a_loss_over_vocabulary_split_logits_reshards_before_the_label_gather():
+    """The documented recipe on data=2,fsdp=2,tp=2 trains as on one device; the plain gather is one ModelError line
+    naming JAX's ShardingTypeError."""
+    losses, params = lm_run("data=2,fsdp=2,tp=2", resharded_loss)
+    ref_losses, ref_params = lm_run("1", resharded_loss)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5), params, ref_params)
+    with pytest.raises(jaxpar.ModelError, match=r"ShardingTypeError: Use `\.at\[\.\.\.\]\.get\(out_sharding=\)` .* "
+                                                r"operand=ShapedArray\(float32\[8@\(data,fsdp\),4,16@tp\]\)") as caught:
+        lm_run("data=2,fsdp=2,tp=2", gathered_loss, steps=1)
     assert "\n" not in str(caught.value)

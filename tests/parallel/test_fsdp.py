@@ -28,6 +28,7 @@ def per_device_and_total_bytes(state):
     return max(per_device.values()), total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, parameter_ways", [("fsdp=8", 8), ("data=2,fsdp=2,model=2", 4)])
 def test_default_transformer_params_and_adam_state_are_split_over_fsdp_and_model(mesh, parameter_ways):
     config = Config()  # the default transformer, as `python run.py` trains it

@@ -11,12 +11,12 @@ from jaxpar.parallel.mesh import parse_mesh_spec, resolve_shape
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# shapes are (data, stage, fsdp, model)
+# shapes are (data, stage, fsdp, seq, model)
 @pytest.mark.parametrize("spec, shape", [
-    ("8", (8, 1, 1, 1)), ("2x4", (2, 1, 1, 4)), ("2x2x2", (2, 1, 2, 2)), ("data=2,model=4", (2, 1, 1, 4)),
-    ("model=4,data=2", (2, 1, 1, 4)), ("model=8", (1, 1, 1, 8)), ("-1", (-1, 1, 1, 1)), ("-1x4", (-1, 1, 1, 4)),
-    (" 1 X 8 ", (1, 1, 1, 8)), ("fsdp=8", (1, 1, 8, 1)), ("data=2,fsdp=2,model=2", (2, 1, 2, 2)),
-    ("data=2,fsdp=4", (2, 1, 4, 1)), ("fsdp=-1,model=2", (1, 1, -1, 2))])
+    ("8", (8, 1, 1, 1, 1)), ("2x4", (2, 1, 1, 1, 4)), ("2x2x2", (2, 1, 2, 1, 2)), ("data=2,model=4", (2, 1, 1, 1, 4)),
+    ("model=4,data=2", (2, 1, 1, 1, 4)), ("model=8", (1, 1, 1, 1, 8)), ("-1", (-1, 1, 1, 1, 1)), ("-1x4", (-1, 1, 1, 1, 4)),
+    (" 1 X 8 ", (1, 1, 1, 1, 8)), ("fsdp=8", (1, 1, 8, 1, 1)), ("data=2,fsdp=2,model=2", (2, 1, 2, 1, 2)),
+    ("data=2,fsdp=4", (2, 1, 4, 1, 1)), ("fsdp=-1,model=2", (1, 1, -1, 1, 2))])
 def test_parse_forms(spec, shape):
     assert parse_mesh_spec(spec) == shape
 
@@ -34,26 +34,27 @@ def test_malformed_specs_raise_one_line_value_errors(spec, words):
 
 
 def test_make_mesh_shapes_and_axis_names():
-    for spec, shape in [("8", (8, 1, 1, 1)), ("2x4", (2, 1, 1, 4)), ("1x8", (1, 1, 1, 8)), ("-1x2", (4, 1, 1, 2)),
-                        ("-1", (8, 1, 1, 1)), ("fsdp=8", (1, 1, 8, 1)), ("data=2,fsdp=2,model=2", (2, 1, 2, 2)),
-                        ("data=2,fsdp=-1", (2, 1, 4, 1)), ((2, 4), (2, 1, 1, 4)), ((2, 2, 2), (2, 1, 2, 2))]:
+    for spec, shape in [("8", (8, 1, 1, 1, 1)), ("2x4", (2, 1, 1, 1, 4)), ("1x8", (1, 1, 1, 1, 8)), ("-1x2", (4, 1, 1, 1, 2)),
+                        ("-1", (8, 1, 1, 1, 1)), ("fsdp=8", (1, 1, 8, 1, 1)), ("data=2,fsdp=2,model=2", (2, 1, 2, 1, 2)),
+                        ("data=2,fsdp=-1", (2, 1, 4, 1, 1)), ((2, 4), (2, 1, 1, 1, 4)), ((2, 2, 2), (2, 1, 2, 1, 2))]:
         mesh = jaxpar.make_mesh(spec)
-        assert mesh.axis_names == ("data", "stage", "fsdp", "model")
+        assert mesh.axis_names == ("data", "stage", "fsdp", "seq", "model")
         assert tuple(mesh.shape[a] for a in mesh.axis_names) == shape, spec
 
 
 def test_roles():
     mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
     assert mesh_lib.batch_ways(mesh) == 4 and mesh_lib.replica_count(mesh) == 2
-    assert mesh_lib.BATCH_AXES == mesh_lib.GRADIENT_AXES == ("data", "fsdp")
+    assert mesh_lib.BATCH_AXES == ("data", "fsdp") and mesh_lib.GRADIENT_AXES == ("data", "fsdp", "seq")
     assert mesh_lib.PARAMETER_AXES == ("fsdp", "model") and mesh_lib.REPLICA_AXIS == "data"
-    assert mesh_lib.WITHIN_REPLICA_AXES == ("stage", "fsdp", "model")
-    assert mesh_lib.AXES == ("data", "stage", "fsdp", "model") and mesh_lib.STAGE_AXIS == "stage"
+    assert mesh_lib.WITHIN_REPLICA_AXES == ("stage", "fsdp", "seq", "model")
+    assert mesh_lib.AXES == ("data", "stage", "fsdp", "seq", "model") and mesh_lib.STAGE_AXIS == "stage"
+    assert mesh_lib.SEQ_AXIS == "seq" and mesh_lib.seq_ways(jaxpar.make_mesh("data=2,seq=4")) == 4
 
 
 def test_model_axis_is_innermost_so_it_gets_neighbouring_devices():
     mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
-    ids = [[[d.id for d in row] for row in plane] for plane in mesh.devices[:, 0]]
+    ids = [[[d.id for d in row] for row in plane] for plane in mesh.devices[:, 0, :, 0]]
     assert ids == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
 
@@ -77,10 +78,10 @@ def test_too_many_devices_names_both_numbers_and_suggests_a_fit():
 
 
 def test_resolve_fills_the_remaining_devices():
-    assert resolve_shape((-1, 1, 1, 4), 8) == (2, 1, 1, 4)
-    assert resolve_shape((2, 1, 1, -1), 8) == (2, 1, 1, 4)
-    assert resolve_shape((1, 1, -1, 2), 8) == (1, 1, 4, 2)
-    assert resolve_shape((1, -1, 1, 2), 8) == (1, 4, 1, 2)
+    assert resolve_shape((-1, 1, 1, 1, 4), 8) == (2, 1, 1, 1, 4)
+    assert resolve_shape((2, 1, 1, 1, -1), 8) == (2, 1, 1, 1, 4)
+    assert resolve_shape((1, 1, -1, 1, 2), 8) == (1, 1, 4, 1, 2)
+    assert resolve_shape((1, -1, 1, 1, 2), 8) == (1, 4, 1, 1, 2)
 
 
 # Calls whose string arguments are mesh axis names: sharding, collectives, meshes.

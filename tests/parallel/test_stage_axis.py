@@ -29,18 +29,19 @@ NO_STACK = ("mesh stage=2: the model has no stacked layers to split over stages 
 
 
 # --- specs and the mesh ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec, shape", [  # (data, stage, fsdp, model)
-    ("stage=4", (1, 4, 1, 1)), ("data=2,stage=2,model=2", (2, 2, 1, 2)), ("data=2,stage=2,fsdp=2", (2, 2, 2, 1)),
-    ("stage=-1", (1, -1, 1, 1)), ("model=2,stage=-1", (1, -1, 1, 2)), ("stage=2,data=4", (4, 2, 1, 1)),
+@pytest.mark.parametrize("spec, shape", [  # (data, stage, fsdp, seq, model)
+    ("stage=4", (1, 4, 1, 1, 1)), ("data=2,stage=2,model=2", (2, 2, 1, 1, 2)),
+    ("data=2,stage=2,fsdp=2", (2, 2, 2, 1, 1)),
+    ("stage=-1", (1, -1, 1, 1, 1)), ("model=2,stage=-1", (1, -1, 1, 1, 2)), ("stage=2,data=4", (4, 2, 1, 1, 1)),
     # the positional forms never name stage
-    ("8", (8, 1, 1, 1)), ("2x4", (2, 1, 1, 4)), ("2x2x2", (2, 1, 2, 2))])
+    ("8", (8, 1, 1, 1, 1)), ("2x4", (2, 1, 1, 1, 4)), ("2x2x2", (2, 1, 2, 1, 2))])
 def test_specs_parse_to_data_stage_fsdp_model_sizes(spec, shape):
     assert parse_mesh_spec(spec) == shape
 
 
 def test_four_positional_sizes_are_refused_saying_stage_is_given_by_name():
     with pytest.raises(jaxpar.MeshError, match=r"^--mesh '2x2x2x2': 4 axes given but the short form has at most 3; "
-                                               r"the axes data, stage, fsdp, model can all be given by name \("):
+                                               r"the axes data, stage, fsdp, seq, model can all be given by name \("):
         parse_mesh_spec("2x2x2x2")
 
 
@@ -48,8 +49,8 @@ def test_the_mesh_help_names_the_stage_forms():
     from jaxpar.cli.help import describe
 
     text = describe("mesh")
-    assert text.startswith("device mesh, axes data x stage x fsdp x model; ")
-    assert "'stage=4' or 'data=2,stage=2,model=2' (the model needs stacked layers)" in text
+    assert text.startswith("device mesh, axes data x stage x fsdp x seq x model; ")
+    assert "'stage=4', 'data=2,stage=2,model=2' (the model needs stacked layers)" in text
 
 
 def test_stage_given_twice_or_twice_minus_one_is_refused():
@@ -60,20 +61,22 @@ def test_stage_given_twice_or_twice_minus_one_is_refused():
 
 
 @pytest.mark.parametrize("spec, shape", [
-    ("stage=4", (1, 4, 1, 1)), ("data=2,stage=2,model=2", (2, 2, 1, 2)), ("data=2,stage=2,fsdp=2", (2, 2, 2, 1)),
-    ("stage=-1", (1, 8, 1, 1)), ("data=2,stage=-1,model=2", (2, 2, 1, 2)),
-    ((2, 4), (2, 1, 1, 4)), ((2, 2, 2), (2, 1, 2, 2)), (8, (8, 1, 1, 1))])
+    ("stage=4", (1, 4, 1, 1, 1)), ("data=2,stage=2,model=2", (2, 2, 1, 1, 2)),
+    ("data=2,stage=2,fsdp=2", (2, 2, 2, 1, 1)),
+    ("stage=-1", (1, 8, 1, 1, 1)), ("data=2,stage=-1,model=2", (2, 2, 1, 1, 2)),
+    ((2, 4), (2, 1, 1, 1, 4)), ((2, 2, 2), (2, 1, 2, 1, 2)), (8, (8, 1, 1, 1, 1))])
 def test_make_mesh_has_four_axes_with_stage_second(spec, shape):
     mesh = jaxpar.make_mesh(spec)
-    assert mesh.axis_names == ("data", "stage", "fsdp", "model")
+    assert mesh.axis_names == ("data", "stage", "fsdp", "seq", "model")
     assert mesh.devices.shape == shape
-    assert mesh.axis_types == (AxisType.Auto,) * 4
+    assert mesh.axis_types == (AxisType.Auto,) * 5
     mesh_lib.check_mesh(mesh)  # accepted as it is
 
 
 def test_stage_is_inside_data_and_outside_fsdp_and_model():
     mesh = jaxpar.make_mesh("data=2,stage=2,model=2")
-    assert np.vectorize(lambda d: d.id)(mesh.devices).tolist() == [[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]
+    grid = np.vectorize(lambda d: d.id)(mesh.devices[:, :, :, 0]).tolist()
+    assert grid == [[[[0, 1]], [[2, 3]]], [[[4, 5]], [[6, 7]]]]
 
 
 def test_roles_with_a_stage_axis():
@@ -82,16 +85,17 @@ def test_roles_with_a_stage_axis():
     assert mesh_lib.size(mesh, mesh_lib.STAGE_AXIS) == 2
     assert mesh_lib.batch_ways(mesh) == 4  # data x fsdp: the batch is not split over stages
     assert mesh_lib.replica_count(mesh) == 2
-    assert mesh_lib.WITHIN_REPLICA_AXES == ("stage", "fsdp", "model")
-    assert mesh_lib.BATCH_AXES == mesh_lib.GRADIENT_AXES == ("data", "fsdp")
+    assert mesh_lib.WITHIN_REPLICA_AXES == ("stage", "fsdp", "seq", "model")
+    assert mesh_lib.BATCH_AXES == ("data", "fsdp") and mesh_lib.GRADIENT_AXES == ("data", "fsdp", "seq")
 
 
 def test_format_shape_and_shape_line_name_the_stage_axis():
-    assert format_shape((1, 4, 1, 1)) == "stage=4"
-    assert format_shape((2, 2, 1, 2)) == "data=2,stage=2,model=2"
-    assert format_shape((2, 1, 1, 4)) == "data=2,model=4"
-    assert mesh_lib.shape_line(jaxpar.make_mesh("data=2,stage=2,model=2")) == "data=2 x stage=2 x fsdp=1 x model=2"
-    assert mesh_lib.shape_line(jaxpar.make_mesh("2x4")) == "data=2 x stage=1 x fsdp=1 x model=4"
+    assert format_shape((1, 4, 1, 1, 1)) == "stage=4"
+    assert format_shape((2, 2, 1, 1, 2)) == "data=2,stage=2,model=2"
+    assert format_shape((2, 1, 1, 1, 4)) == "data=2,model=4"
+    line = mesh_lib.shape_line(jaxpar.make_mesh("data=2,stage=2,model=2"))
+    assert line == "data=2 x stage=2 x fsdp=1 x seq=1 x model=2"
+    assert mesh_lib.shape_line(jaxpar.make_mesh("2x4")) == "data=2 x stage=1 x fsdp=1 x seq=1 x model=4"
 
 
 def test_a_stage_mesh_that_does_not_fit_gets_a_suggestion_that_keeps_the_stages():
@@ -109,7 +113,8 @@ def test_check_mesh_names_the_four_axes_for_a_three_axis_mesh():
     old = Mesh(np.asarray(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "model"),
                axis_types=(AxisType.Auto,) * 3)
     with pytest.raises(jaxpar.MeshError, match=r"^mesh with axes \('data', 'fsdp', 'model'\): jaxpar needs a mesh "
-                                               r"from jaxpar.make_mesh with axes data, stage, fsdp, model \(or your own "
+                                               r"from jaxpar.make_mesh with axes data, stage, fsdp, seq, model \(or "
+                                               r"your own "
                                                r"names for them"):
         mesh_lib.check_mesh(old)
 
@@ -121,7 +126,9 @@ def fake_devices(local=4, processes=2, interleaved=False):
 
 
 def ids(grid):
-    return np.vectorize(lambda d: d.id)(grid).tolist()
+    """(data, stage, fsdp, model) device ids of a grid without a seq axis."""
+    assert grid.shape[3] == 1
+    return np.vectorize(lambda d: d.id)(grid[:, :, :, 0]).tolist()
 
 
 @pytest.mark.parametrize("spec, local, processes, expected, crossing", [
@@ -280,6 +287,7 @@ def test_run_py_mlp_on_a_stage_mesh_is_one_line_and_exit_2(capsys):
     assert err == f"run.py: error: {NO_STACK}\n"
 
 
+@pytest.mark.slow
 def test_run_py_in_a_fresh_process():
     done = subprocess.run([sys.executable, "run.py", "--model", "mlp", "--mesh", "stage=2", "--steps", "1"], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=120)

@@ -127,6 +127,7 @@ def specs(state):
     return {"/".join(str(k.key) for k in path[1:] if hasattr(k, "key")): x.sharding.spec for path, x in flat}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_unannotated_linen_model_is_split_over_fsdp_and_trains_like_one_device(name):
     trainer = linen_trainer(MODELS[name](), "fsdp=8")
@@ -166,6 +167,7 @@ VIT_TENSOR_PARALLEL = [
 ]
 
 
+@pytest.mark.slow
 def test_path_rules_make_an_unannotated_linen_model_tensor_parallel():
     trainer = linen_trainer(ViT(), "2x4", path_rules=VIT_TENSOR_PARALLEL)
     state, tp_losses = losses(trainer)
@@ -191,6 +193,37 @@ def test_path_rules_over_an_nnx_model_see_its_attribute_paths_and_override_its_n
     trainer = trainer_for("mlp", "2x4", path_rules=[(r"^hidden/kernel$", ("mlp", None))])
     assert trainer.state_shardings.params["hidden"]["kernel"].spec == P("model", None)
     assert trainer.state_shardings.params["out"]["kernel"].spec == P("model", None)  # its own names, unmatched
+
+
+class MlpClassifier(nn.Module):
+    """ViT's MlpBlock alone, on flattened images: MlpBlock_0/Dense_0/kernel [192, 64], Dense_1 [64, 192]."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        return nn.Dense(10, name="head")(MlpBlock(64)(x.reshape(x.shape[0], -1)))
+
+
+def test_a_path_rules_parameter_keeps_only_the_rules_placement_and_naming_fsdp_gives_both():
+    """docs/library.md and docs/mesh-and-sharding.md, "Only the rule's placement", on data=2,fsdp=2,model=2."""
+    only_model = linen_trainer(MlpClassifier(), "data=2,fsdp=2,model=2",
+                               path_rules=[(r"MlpBlock_\d+/Dense_0/kernel", (None, "model"))])
+    state = only_model.init(0)
+    placed = specs(state)
+    assert placed["MlpBlock_0/Dense_0/kernel"] == P(None, "model")  # no automatic fsdp split added
+    kernel = state.params["linen"]["MlpBlock_0"]["Dense_0"]["kernel"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(192, 32)}
+    assert placed["MlpBlock_0/Dense_1/kernel"] == P(None, "fsdp")  # unmatched, unnamed: the automatic split
+    both = linen_trainer(MlpClassifier(), "data=2,fsdp=2,model=2",
+                         path_rules=[(r"MlpBlock_\d+/Dense_0/kernel", ("fsdp", "model")),
+                                     (r"MlpBlock_\d+/Dense_1/kernel", ("mlp", "embed"))])
+    state, both_losses = losses(both)
+    placed = specs(state)
+    assert placed["MlpBlock_0/Dense_0/kernel"] == P("fsdp", "model")
+    assert placed["MlpBlock_0/Dense_1/kernel"] == P("model", "fsdp")  # DEFAULT_RULES: mlp -> model, embed -> fsdp
+    kernel = state.params["linen"]["MlpBlock_0"]["Dense_0"]["kernel"]
+    assert {s.data.shape for s in kernel.addressable_shards} == {(96, 32)}
+    _, reference = losses(linen_trainer(MlpClassifier(), "1x1"))
+    np.testing.assert_allclose(both_losses, reference, rtol=1e-5)
 
 
 class SevenClasses(nn.Module):

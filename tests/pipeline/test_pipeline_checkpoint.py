@@ -36,6 +36,7 @@ def bits_equal(a, b):
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, targets", [("stage=2", ["stage=4", "1x1", "2x4"]),
                                              ("stage=4", ["stage=2"]), ("1x1", ["stage=2"]),
                                              ("2x4", ["stage=2", "data=2,stage=2,model=2"])])

@@ -34,6 +34,7 @@ def data_all_reduces(mesh, pipeline, rate=0.0):
     return [op for op in ops if op.kind == "all-reduce" and "data" in (op.axes or ())], held_bytes(trainer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, pipeline", [
     ("data=2,stage=2", Pipeline("gpipe", 4)),
     ("data=2,stage=2", Pipeline("1f1b", 4)),
@@ -47,6 +48,7 @@ def test_gradients_are_averaged_over_data_once_per_step(mesh, pipeline):
     assert ops[0].bytes == held + SCALARS, (ops[0].bytes, held)
 
 
+@pytest.mark.slow
 def test_with_dropout_the_average_is_still_once_per_step():
     """Dropout is drawn per row (so a stage map manual over data draws the masks of its own rows): no collective
     for it."""

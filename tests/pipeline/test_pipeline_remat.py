@@ -23,12 +23,14 @@ def transformer(remat, mesh, pipeline, config=None):
                           optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh(mesh), remat=remat, pipeline=pipeline)
 
 
+@pytest.mark.slow
 def test_1f1b_with_remat_trains_like_1f1b_without():
     pipeline, batches = Pipeline("1f1b", 4), [batch_for("transformer", 16, seed) for seed in range(3)]
     assert_same(train(transformer("full", "data=2,stage=2", pipeline), batches),
                 train(transformer("none", "data=2,stage=2", pipeline), batches))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_full_remat_shrinks_the_pipelined_steps_temporaries(schedule):
     """Measured (stage=2, M=4, 4 layers of d_model 64, d_ff 256, seq_len 64, batch 16; compiled temporaries per

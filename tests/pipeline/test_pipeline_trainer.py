@@ -84,6 +84,7 @@ SCHEDULES = [Pipeline("gpipe", 4), Pipeline("circular", 4, repeats=2), Pipeline(
 MESHES = ["stage=2", "stage=4", "data=2,stage=2,model=2", "data=2,stage=2,fsdp=2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("pipeline", SCHEDULES, ids=lambda p: p.schedule)
 def test_pipelined_training_equals_the_unpipelined_stack_with_dropout(mesh, pipeline):
@@ -92,6 +93,7 @@ def test_pipelined_training_equals_the_unpipelined_stack_with_dropout(mesh, pipe
     assert_same(train(mesh, pipeline), reference(4, 0.2))
 
 
+@pytest.mark.slow
 def test_circular_with_two_repeats_on_four_stages_equals_the_unpipelined_stack():
     assert_same(train("stage=4", Pipeline("circular", 4, repeats=2), layers=8),
                 train("1x1", Pipeline(microbatches=4), layers=8))
@@ -106,6 +108,7 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=2), jaxpar.DiLoCo(period=2), jaxpar.SSP(staleness=1),
                                       jaxpar.ASP()],
                          ids=lambda s: type(s).__name__)
@@ -114,6 +117,7 @@ def test_the_pipeline_runs_inside_each_replica_of_the_explicit_strategies(strate
                 reference(4, 0.2, strategy, mesh="data=2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allreduce, mesh", [("psum", "data=2,stage=2,model=2"), ("ring", "data=2,stage=2,fsdp=2"),
                                              ("torus2d", "data=4,stage=2"), ("ps", "data=2,stage=4")])
 def test_the_pipeline_runs_under_every_explicit_allreduce(allreduce, mesh):
@@ -124,6 +128,7 @@ def test_the_pipeline_runs_under_every_explicit_allreduce(allreduce, mesh):
                       strategy=strategy), reference(4, 0.0))
 
 
+@pytest.mark.slow
 def test_pipelining_composes_with_gradient_accumulation():
     assert_same(train("data=2,stage=4", Pipeline("1f1b", 2), grad_accum=2), reference(2, 0.2, grad_accum=2))
 
@@ -179,9 +184,12 @@ def test_1f1b_refuses_a_stack_called_twice_per_step():
     np.testing.assert_allclose(float(gpipe.step(gpipe.init(0), batches(1)[0])[1]["loss"]), want, rtol=RTOL)
 
 
-def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
-    """Layers after the stack run per microbatch under 1F1B: each microbatch gets its own streams (one key for all
-    once repeated one mask on every microbatch)."""
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layers_after_the_stack_draw_the_whole_batch_masks_at_each_microbatch_rows(schedule):
+    """The head runs per microbatch inside the last stage's ticks: each microbatch draws the whole batch's dropout
+    masks at its rows (`jaxpar.pipeline.shard_keys` with the microbatch stride), so the masks, the kept fraction
+    and the loss equal the unpipelined run's (one key for all once repeated one mask on every microbatch)."""
     class DropHead(Net):
         def __init__(self, rngs):
             super().__init__(rngs, rate=0.0)
@@ -197,18 +205,16 @@ def test_1f1b_draws_new_dropout_masks_for_each_microbatch_after_the_stack():
 
     def kept_and_loss(mesh):
         trainer = jaxpar.Trainer(DropHead, loss_counting_kept_units, optax.sgd(0.1), jaxpar.make_mesh(mesh),
-                                 pipeline=Pipeline("1f1b", 4))
+                                 pipeline=Pipeline(schedule, 4))
         metrics = trainer.step(trainer.init(0), batches(1, size=8)[0])[1]
         return float(metrics["kept"]), float(metrics["loss"])
 
-    kept, loss = kept_and_loss("stage=2")
-    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16): one mask
-    # repeated gives a count / 32, four masks their average (here 15.25 / 32)
-    assert kept * 32 == 15.25, kept
-    # with data=2 each data shard draws its rows of the same masks (jaxpar.pipeline.shard_keys); metrics are
-    # averaged over the data shards, so a metric that is a mean over examples is the same
-    kept_data, loss_data = kept_and_loss("data=2,stage=2")
-    assert kept_data == kept and np.isclose(loss_data, loss, rtol=RTOL), (kept_data, loss_data, loss)
+    kept_one, loss_one = kept_and_loss("1x1")
+    # the step reports the mean over the 4 microbatches of each one's fraction of kept units (of 2 x 16), which is
+    # the whole batch's fraction when the microbatches' masks are the whole batch's at their rows
+    for mesh in ("stage=2", "data=2,stage=2"):  # with data=2 each data shard draws its rows of the same masks
+        kept, loss = kept_and_loss(mesh)
+        assert kept == kept_one and np.isclose(loss, loss_one, rtol=RTOL), (mesh, kept, kept_one, loss, loss_one)
 
 
 def test_1f1b_needs_exactly_one_stack():
@@ -265,6 +271,7 @@ class PlainNet(nnx.Module):
         return self.out(self.blocks(jax.nn.tanh(self.inp(x))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", [Pipeline(), Pipeline("1f1b", 2)], ids=["gpipe", "1f1b"])
 def test_a_stack_of_plain_linear_blocks_pipelines_and_equals_the_unpipelined_run(pipeline):
     def run(mesh):

@@ -158,6 +158,7 @@ def test_no_import_cycle_between_modules():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+@pytest.mark.slow
 def test_import_jaxpar_loads_the_library_only():
     code = ("import sys, jaxpar\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('models', 'configs') "

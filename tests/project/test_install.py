@@ -1,10 +1,12 @@
 """The installed package imports from any working directory (CI runs the suite after `pip install -e '.[test]'`)."""
 
+import pytest
 import os
 import subprocess
 import sys
 
 
+@pytest.mark.slow
 def test_import_from_a_folder_that_holds_a_folder_named_jaxpar(tmp_path):
     """The parent folder of a clone called `jaxpar` holds such a folder; Python must not take it for the package
     (an empty namespace package: `module 'jaxpar' has no attribute 'Trainer'`)."""

@@ -49,6 +49,7 @@ def test_a_folder_that_is_not_a_path_is_one_error_line(folder):
     assert "\n" not in str(info.value) and compile_cache._decided == decided  # nothing changed
 
 
+@pytest.mark.slow
 def test_a_run_fills_the_cache_and_a_second_run_reads_it(tmp_path):
     folder = str(tmp_path / "cache")
     first = run_py(JAXPAR_COMPILE_CACHE=folder)
@@ -60,6 +61,7 @@ def test_a_run_fills_the_cache_and_a_second_run_reads_it(tmp_path):
     assert entries(folder) == written, "the second run compiled a program the first had cached"
 
 
+@pytest.mark.slow
 def test_no_compile_cache_writes_nothing(tmp_path):
     folder = str(tmp_path / "cache")
     done = run_py("--no-compile-cache", JAXPAR_COMPILE_CACHE=folder)
@@ -67,6 +69,7 @@ def test_no_compile_cache_writes_nothing(tmp_path):
     assert not entries(folder)
 
 
+@pytest.mark.slow
 def test_the_users_jax_folder_wins_and_a_bad_folder_costs_a_note(tmp_path):
     mine, users = str(tmp_path / "mine"), str(tmp_path / "users")
     done = run_py(JAXPAR_COMPILE_CACHE=mine, JAX_COMPILATION_CACHE_DIR=users)

@@ -150,6 +150,7 @@ print("one buffer:", distributed.one_buffer_gradients(jaxpar.make_mesh("2")),
 """
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_turn_one_buffer_gradients_on():
     import socket
 
@@ -168,6 +169,7 @@ def test_two_cpu_processes_turn_one_buffer_gradients_on():
     assert all("one buffer: True False" in out for out, _ in outputs)  # a model axis of 2: not pure data parallel
 
 
+@pytest.mark.slow
 def test_two_processes_on_a_data_parallel_mesh_equal_one_process(tmp_path):
     """run.py under the launcher, --mesh 2 over 2 processes against 1 process (the compiler's step in both): the
     same losses (rtol 1e-5), 12 steps of the MLP without dropout."""

@@ -37,8 +37,8 @@ def fake_devices(local=4, processes=2, interleaved=False):
 def ids(grid):
     """Device ids of a (data, stage, fsdp, model) grid without stages (a mesh spec that names no stage), as a
     (data, fsdp, model) nested list."""
-    assert grid.shape[1] == 1
-    return np.vectorize(lambda d: d.id)(grid[:, 0]).tolist()
+    assert grid.shape[1] == 1 and grid.shape[3] == 1
+    return np.vectorize(lambda d: d.id)(grid[:, 0, :, 0]).tolist()
 
 
 @pytest.mark.parametrize("spec, expected", [
@@ -156,6 +156,7 @@ def assert_losses_match(got: dict, expected: dict, steps):
     np.testing.assert_allclose([got[s] for s in steps], [expected[s] for s in steps], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_2x4_equal_one_process_and_restore_in_one(reference, tmp_path):
     expected, _ = reference
     code, out, err = launched(2, [*TINY, "--mesh", "2x4", "--steps", "20", "--metrics", str(tmp_path / "two.jsonl"),
@@ -196,6 +197,7 @@ def _flat(tree, prefix=""):
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_fsdp_and_tensor_parallel_equal_one_process(tmp_path):
     # the MLP (hidden layer: embed over fsdp, mlp over model) with dropout, so the masks must follow the rows too
     mlp = ["--model", "mlp", "--dropout", "0.1", "--log-every", "1", "--eval-batches", "0", "--lr", "0.01",
@@ -206,6 +208,7 @@ def test_two_processes_fsdp_and_tensor_parallel_equal_one_process(tmp_path):
     assert_losses_match(losses(tmp_path / "two.jsonl"), losses(tmp_path / "one.jsonl"), range(1, 21))
 
 
+@pytest.mark.slow
 def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
     local = ["--model", "mlp", "--log-every", "1", "--eval-batches", "0", "--lr", "0.01", "--strategy",
              "local_sgd", "--sync-period", "3", "--mesh", "2x4"]
@@ -237,6 +240,7 @@ def test_local_sgd_resumed_from_one_process_in_two_equals_one_process(tmp_path):
     assert_losses_match({s: v for s, v in got.items() if s > 10}, expected, range(11, 21))
 
 
+@pytest.mark.slow
 def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process(tmp_path):
     env = child_env()
     process = subprocess.Popen([sys.executable, "-m", "jaxpar.runtime.launch", "--nproc", "2", "--", "run.py", "--model",
@@ -276,6 +280,7 @@ def test_killing_one_process_stops_the_launcher_within_60s_and_leaves_no_process
                      "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "required"]) == 0
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_process_after_one_agreed_step(tmp_path):
     env = child_env()
     saving = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1000"]
@@ -358,6 +363,7 @@ def run_launcher(tmp_path, fail_rank, signal_after=None):
     return process.returncode, out, err
 
 
+@pytest.mark.slow
 def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
     code, out, err = run_launcher(tmp_path, fail_rank=1)
     assert code == 3
@@ -371,6 +377,7 @@ def test_launcher_stops_the_others_when_one_process_fails(tmp_path):
             assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
 
 
+@pytest.mark.slow
 def test_launcher_passes_ctrl_c_as_sigterm_and_reports_a_requested_stop(tmp_path):
     code, out, err = run_launcher(tmp_path, fail_rank=-1, signal_after=signal.SIGINT)
     assert code == 143

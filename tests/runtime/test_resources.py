@@ -90,6 +90,7 @@ def run_script(body: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_a_step_failing_on_the_device_raises_one_line_in_fit_not_a_hang():
     result = run_script("""
         import optax, jaxpar
@@ -119,6 +120,7 @@ def test_a_step_failing_on_the_device_raises_one_line_in_fit_not_a_hang():
     assert float(lines[1].split()[1]) < 30
 
 
+@pytest.mark.slow
 def test_the_cli_ends_a_device_failure_in_one_line_with_a_complete_jsonl(tmp_path):
     metrics = tmp_path / "m.jsonl"
     result = run_script(f"""

@@ -40,6 +40,7 @@ def train(strategy, steps=3, dropout=0.0, grad_accum=1):
     return losses, jax.device_get(trainer.params(state))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, grad_accum", [(jaxpar.Sync("ring"), 1), (jaxpar.LocalSGD(period=1), 1),
                                                   (jaxpar.Sync("psum"), 2), (jaxpar.Sync("psum"), 8)],
                          ids=["ring", "local_sgd_H1", "accum2", "accum8_replicated_slice"])

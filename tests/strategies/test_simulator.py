@@ -224,13 +224,6 @@ def test_deterministic_from_seed():
     assert times(simulate_ps(parse_stragglers("2:1.5,jitter=0.3,seed=7"), 4, 2, 50)) == times(a)[:50]
 
 
-def test_fast_enough_for_long_runs():
-    import time
-    start = time.perf_counter()
-    updates = simulate_ps(parse_stragglers("3:2.0,5:1.7,jitter=0.3"), 8, 2, 20_000)
-    assert len(updates) == 20_000 and time.perf_counter() - start < 2.0
-
-
 CLOCKED = {"sync": lambda **kw: jaxpar.Sync(**kw), "ring": lambda **kw: jaxpar.Sync("ring", **kw),
            "local-4": lambda **kw: jaxpar.LocalSGD(period=4, **kw),
            "post-local-3-after-5": lambda **kw: jaxpar.LocalSGD(period=3, local_after=5, **kw),

@@ -32,26 +32,39 @@ def assert_same_params(a, b, atol=ATOL):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol, rtol=ATOL), a, b)
 
 
+_SYNC_RUNS = {}
+
+
+def sync_reference(mesh, model="mlp"):
+    """(parameters on the host, history) of 5 Sync() steps, run once per (mesh, model) in this test process: the
+    reference several tests compare with."""
+    if (mesh, model) not in _SYNC_RUNS:
+        trainer, state, history = train(jaxpar.Sync(), mesh, model)
+        _SYNC_RUNS[mesh, model] = jax.device_get(trainer.params(state)), history
+    return _SYNC_RUNS[mesh, model]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, model", [("2x4", "mlp"), ("8x1", "mlp"), ("2x4", "transformer"),
                                          ("data=2,fsdp=2,model=2", "mlp")])
 def test_every_allreduce_algorithm_trains_exactly_like_the_compiler_allreduce(mesh, model):
-    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh, model)
-    expected = reference_trainer.params(reference_state)
+    expected, reference = sync_reference(mesh, model)
     for algorithm in ("psum", "ring", "torus2d", "ps"):
         trainer, state, history = train(jaxpar.Sync(algorithm), mesh, model)
         np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
         assert_same_params(trainer.params(state), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [jaxpar.LocalSGD(period=1), jaxpar.DiLoCo(period=1, outer_optimizer=optax.sgd(1.0)),
                                       jaxpar.SSP(staleness=0), jaxpar.LocalSGD(period=4, local_after=5)],
                          ids=["local_sgd_H1", "diloco_H1_outer_sgd1", "ssp_S0", "post_local_sync_phase"])
 @pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
 def test_strategies_at_their_limit_equal_sync_sgd(strategy, mesh):
-    reference_trainer, reference_state, reference = train(jaxpar.Sync(), mesh)
+    expected, reference = sync_reference(mesh)
     trainer, state, history = train(strategy, mesh)
     np.testing.assert_allclose([h["loss"] for h in history], [h["loss"] for h in reference], rtol=1e-5)
-    assert_same_params(trainer.params(state), reference_trainer.params(reference_state))
+    assert_same_params(trainer.params(state), expected)
 
 
 def assert_same_adam_params(a, b, lr, steps):
@@ -199,14 +212,28 @@ def test_explicit_strategies_draw_different_dropout_masks_per_replica():
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 def test_300_steps_of_ring_allreduce_through_the_real_loop():
-    trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=jaxpar.Sync("ring"))
+    """Trainer.fit (two steps in flight, donated states) with the hand-written ring over 8 replicas follows the
+    compiler's all-reduce step for step on the digits, and learns them."""
     from jaxpar.io import data
+
     train_split, _ = data.load_digits()
-    state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300)
-    assert int(state.step) == 300
+    runs = {}
+    for name, strategy in (("ring", jaxpar.Sync("ring")), ("compiler", jaxpar.Sync())):
+        trainer = trainer_for("mlp", "8x1", optimizer=optax.adam(3e-3), strategy=strategy)
+        losses = []
+        state = trainer.fit(trainer.init(0), data.array_batches(train_split, 64, seed=0), steps=300,
+                            on_step=lambda step, metrics: losses.append(metrics["loss"]))
+        runs[name] = (int(state.step), np.array(losses), trainer.params(state))
+    (ring_steps, ring, ring_params), (steps, compiler, params) = runs["ring"], runs["compiler"]
+    assert ring_steps == steps == 300 and len(ring) == 300
+    np.testing.assert_allclose(ring, compiler, rtol=1e-3, atol=1e-4)
+    assert_same_adam_params(ring_params, params, 3e-3, 300)
+    assert ring[-20:].mean() < 0.25 * ring[:5].mean()  # it learns the digits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2x4", "data=2,fsdp=2,model=2"])
 def test_hand_written_allreduce_with_tensor_parallelism_sends_only_the_local_model_shard(mesh):
     """Each device holds 1/4 of a sharded gradient (over model, or fsdp x model); the ring over the replica axis
@@ -229,11 +256,19 @@ def test_local_after_beyond_the_first_clock_window_plans_fine():
 
 
 def test_asp_buffer_is_fixed_by_the_horizon_and_a_stale_read_beyond_it_is_refused():
+    # replica 3 at half speed: every other update applies its gradient one version old
     strategy = jaxpar.ASP(stragglers="3:2.0", horizon=4)
     trainer = trainer_for("mlp", "4x2", strategy=strategy)
     assert strategy.buffer_size(4) == 2
-    strategy.plan(trainer.ctx, 100)  # plans past the horizon keep the compiled buffer size
+    assert strategy.plan(trainer.ctx, 101).host_metrics["staleness_max"] == 1  # past the horizon: the compiled buffer
     assert strategy.buffer_size(4) == 2
+    # a horizon of 1 update sees no staleness (buffer 1); update 1 reads a version 1 update old: refused
+    short = jaxpar.ASP(stragglers="3:2.0", horizon=1)
+    assert short.buffer_size(4) == 1
+    short.plan(trainer.ctx, 0)
+    with pytest.raises(jaxpar.JaxparError, match=r"^asp: update 1 needs a version 1 updates old but the buffer "
+                                                 r"holds 1; plan at least as many updates as you train \(horizon\)$"):
+        short.plan(trainer.ctx, 1)
 
 
 def test_local_sgd_replicas_stay_sharded_over_fsdp_and_model_inside_the_replica():
@@ -396,8 +431,10 @@ def test_every_strategy_returns_the_same_metric_keys_as_scalars(strategy):
             assert not per_replica
 
 
-@pytest.mark.parametrize("strategy,mesh", [(jaxpar.LocalSGD(period=2), "8"), (jaxpar.DiLoCo(period=3), "4x2"),
-                                           (jaxpar.LocalSGD(period=2), "2x4")], ids=["localsgd-8", "diloco-4", "localsgd-2"])
+@pytest.mark.parametrize("strategy,mesh", [
+    pytest.param(jaxpar.LocalSGD(period=2), "8", id="localsgd-8", marks=pytest.mark.slow),
+    pytest.param(jaxpar.DiLoCo(period=3), "4x2", id="diloco-4", marks=pytest.mark.slow),
+    pytest.param(jaxpar.LocalSGD(period=2), "2x4", id="localsgd-2")])
 def test_local_steps_average_per_replica_metrics_on_the_device_as_numpy_does(strategy, mesh, monkeypatch):
     """`trainer.step` under local SGD / DiLoCo reads nothing back (the host runs ahead; it used to read the [R]
     metrics every step) and its means are bit-identical to the host's numpy mean that `fit` reports."""

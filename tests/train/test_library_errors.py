@@ -60,9 +60,9 @@ def test_bad_mesh_specs(spec, message):
 
 
 def test_int_mesh_spec_is_the_data_axis():
-    assert dict(jaxpar.make_mesh(8).shape) == {"data": 8, "stage": 1, "fsdp": 1, "model": 1}
-    assert dict(jaxpar.make_mesh(np.int64(4)).shape) == {"data": 4, "stage": 1, "fsdp": 1, "model": 1}
-    assert dict(jaxpar.make_mesh((-1, 2)).shape) == {"data": 4, "stage": 1, "fsdp": 1, "model": 2}
+    assert dict(jaxpar.make_mesh(8).shape) == {"data": 8, "stage": 1, "fsdp": 1, "seq": 1, "model": 1}
+    assert dict(jaxpar.make_mesh(np.int64(4)).shape) == {"data": 4, "stage": 1, "fsdp": 1, "seq": 1, "model": 1}
+    assert dict(jaxpar.make_mesh((-1, 2)).shape) == {"data": 4, "stage": 1, "fsdp": 1, "seq": 1, "model": 2}
 
 
 def test_mesh_larger_than_the_started_cpu_devices_says_how_to_get_more():
@@ -79,7 +79,7 @@ def test_mesh_larger_than_the_started_cpu_devices_says_how_to_get_more():
 # --- 2: rules and foreign meshes ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rules, message", [
     ({"mlp": 5}, r"^rules: rule 'mlp' -> 5 is not a logical name -> mesh axis; rules map a logical name to a mesh "
-                 r"axis \(data, stage, fsdp, model\), a tuple of them, or None"),
+                 r"axis \(data, stage, fsdp, seq, model\), a tuple of them, or None"),
     ([("mlp", "model", "x")], r"^rules \[\('mlp', 'model', 'x'\)\]: not a dict or a list of pairs"),
     ("mlp", r"^rules 'mlp': not a dict or a list of pairs"),
 ])
@@ -91,12 +91,12 @@ def test_malformed_rules(rules, message):
 def test_mesh_not_from_make_mesh():
     factory, loss = models.factory(TINY["mlp"]), models.LOSSES["mlp"]
     with raises(MeshError, r"^mesh with axes \('x',\): jaxpar needs a mesh from jaxpar.make_mesh with axes data, "
-                           r"stage, fsdp, model"):
+                           r"stage, fsdp, seq, model"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), jax.make_mesh((8,), ("x",)))
-    mixed = (AxisType.Explicit, AxisType.Auto, AxisType.Auto, AxisType.Auto)
+    mixed = (AxisType.Explicit, AxisType.Auto, AxisType.Auto, AxisType.Auto, AxisType.Auto)
     with raises(MeshError, r"^mesh with axis types .*: jaxpar needs all axes AxisType.Auto or all AxisType.Explicit"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1),
-                       jax.make_mesh((2, 1, 2, 2), ("data", "stage", "fsdp", "model"), axis_types=mixed))
+                       jax.make_mesh((2, 1, 2, 1, 2), ("data", "stage", "fsdp", "seq", "model"), axis_types=mixed))
     with raises(MeshError, r"^mesh '2x4': not a jax.sharding.Mesh; build it with jaxpar.make_mesh"):
         jaxpar.Trainer(factory, loss, optax.sgd(0.1), "2x4")
 

@@ -84,6 +84,7 @@ def assert_same(got, want):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), got[1], want[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("remat", POLICIES)
 def test_every_policy_trains_like_no_remat(model, remat):
@@ -95,6 +96,7 @@ def test_a_jax_checkpoint_policy_callable_is_accepted():
     assert_same(train(mlp(jax.checkpoint_policies.dots_saveable), mlp_batches()), reference("mlp"))
 
 
+@pytest.mark.slow
 def test_remat_works_in_a_gpipe_pipeline():
     pipeline = Pipeline("gpipe", 2)
     got = train(transformer("full", "stage=2", pipeline=pipeline), MODELS["transformer"][1]())

@@ -86,6 +86,7 @@ def test_a_trace_that_cannot_start_is_a_fit_error_with_a_usable_state(tmp_path):
 TINY_RUN = ["--model", "mlp", "--steps", "6", "--eval-batches", "0"]
 
 
+@pytest.mark.slow
 def test_run_profile_writes_a_trace_next_to_the_metrics_file(tmp_path, capsys):
     assert run.main(TINY_RUN + ["--profile", "2:4", "--metrics", str(tmp_path / "m.jsonl")]) == 0
     assert f"tracing steps 2 to 4 with jax.profiler into {tmp_path / 'profile' / 'plugins' / 'profile'}" in \
@@ -93,6 +94,7 @@ def test_run_profile_writes_a_trace_next_to_the_metrics_file(tmp_path, capsys):
     assert_traced(tmp_path / "profile")
 
 
+@pytest.mark.slow
 def test_run_profile_writes_into_the_tensorboard_folder_or_the_profile_dir(tmp_path):
     assert run.main(TINY_RUN + ["--profile", "0:1", "--tensorboard", str(tmp_path / "tb")]) == 0
     assert_traced(tmp_path / "tb")  # `tensorboard --logdir tb` shows it in its profile tab

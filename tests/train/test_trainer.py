@@ -61,6 +61,7 @@ def test_batch_not_divisible_by_data_axis_is_a_clear_error():
         trainer.step(trainer.init(0), batch_for("mlp", size=10))
 
 
+@pytest.mark.slow
 def test_fit_runs_300_steps_through_the_real_loop_and_learns_digits():
     """Hundreds of collective-bearing steps on 8 CPU devices: the bounded in-flight loop must not deadlock."""
     trainer = trainer_for("mlp", "4x2", optimizer=optax.adam(3e-3))

@@ -6,9 +6,15 @@ every counted loop body, costing each body with XLA's own cost analysis.
 """
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from jaxpar.cost.hlo.program import Program, hlo_text, parse_program
+from jaxpar.pipeline.schedules import ALTERNATING
+
+_CONDITIONAL = re.compile(r"=\s*\S.*?\sconditional\(")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 
 
 class Flops(NamedTuple):
@@ -22,10 +28,16 @@ class Flops(NamedTuple):
 def loop_flops(compiled_or_hlo_text, xla_flops: float | None) -> Flops:
     """`xla_flops` (XLA's cost analysis of the whole step, which counts a while body once) plus, for every while loop
     with a known trip count K, the K - 1 runs it left out: K - 1 times its body's FLOPs, costed by XLA's own cost
-    analysis of the body alone (nested loops multiply). A conditional's cost is its costliest branch (XLA's rule),
-    so a loop whose body picks a forward or a backward (1F1B's ticks) counts every run at the dearer one: the time of a
-    tick in which some stages run a backward. A loop without a known trip count is counted once (see `note`); if
-    the bodies cannot be costed (the HLO parser of this jaxlib missing), `xla_flops` is returned as it is."""
+    analysis of the body alone (nested loops multiply).
+
+    Conditionals, the rule: a conditional counts the branch that runs on the busiest device. XLA counts its
+    costliest branch, which is that branch for the pipelines' stage conditionals (the first stage's part before the
+    stack, the last stage's head: the stage that runs it runs it every time). The one exception is 1F1B's half-step
+    conditional (in the name scope `jaxpar.pipeline.schedules.ALTERNATING`): every stage runs its forward branch in
+    half of the half-steps and its backward in the other half, so it counts the mean of its branches.
+
+    A loop without a known trip count is counted once (see `note`); if the bodies cannot be costed (the HLO parser
+    of this jaxlib missing), `xla_flops` is returned as it is."""
     if not xla_flops:
         return Flops(None, None)
     program = parse_program(hlo_text(compiled_or_hlo_text))
@@ -38,10 +50,35 @@ def loop_flops(compiled_or_hlo_text, xla_flops: float | None) -> Flops:
                                            f"{type(error).__name__})")
     unknown = sorted(name for name, (_, _, trip) in program.whiles.items() if trip is None)
     total = xla_flops + _extra(program, program.entry, costed, {})
+    alternating = _alternating(program, costed)
+    total += alternating
     note = "every while body counted its trip count times (XLA's cost analysis counts it once)"
+    if alternating:
+        note += "; 1F1B's forward / backward half-steps at the mean of the two (each stage runs each half the time)"
     if unknown:
         note += f"; {len(unknown)} loop(s) of unknown trip count counted once ({', '.join(unknown)})"
     return Flops(total, xla_flops, note if total != xla_flops or unknown else "")
+
+
+def _alternating(program: Program, costed) -> float:
+    """What counting 1F1B's half-step conditionals at the mean of their branches changes (a negative number). The
+    count so far holds, per run of such a conditional, its costliest branch's static FLOPs (XLA) plus the loops left
+    out of every branch (`_extra`); it should hold the mean over the branches of (static + left out)."""
+    change, memo = 0.0, {}
+    for computation in program.order:
+        for line in program.lines[computation]:
+            if f'{ALTERNATING}/cond"' not in line or not _CONDITIONAL.search(line):
+                continue  # not the half-step's own conditional (those inside its branches keep the costliest)
+            branches = _BRANCHES.search(line)
+            names = ([n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else
+                     [m.group(1) for m in _TRUE_FALSE.finditer(line)])
+            names = [name for name in names if name in program.calls]
+            static = [costed(name) for name in names]
+            left_out = [_extra(program, name, costed, memo) for name in names]
+            if len(names) > 1:
+                whole = [a + b for a, b in zip(static, left_out)]
+                change += program.runs[computation] * (sum(whole) / len(whole) - max(static) - sum(left_out))
+    return change
 
 
 def _outside_loops(program: Program, start: str) -> set:

@@ -29,8 +29,8 @@ from jaxpar.parallel.compression.communicator import OWN, SHARED, CompressedComm
 from jaxpar.parallel.compression.error_feedback import NO_EF
 from jaxpar.parallel.compression.exchange import Exchange
 from jaxpar.parallel.compression.int8 import INT8_CHUNK, Int8, int8_decode, int8_encode
-from jaxpar.parallel.compression.powersgd import PowerSGD, as_matrix_shape, orthogonalize, powersgd_round
+from jaxpar.parallel.compression.powersgd import PowerSGD, as_matrix_shape, orthogonalize
 
 __all__ = ["CODECS", "FP16_MAX", "INT8_CHUNK", "NO_EF", "OWN", "SHARED", "Cast", "CompressedCommunicator", "Exchange",
            "Int8", "PowerSGD", "as_matrix_shape", "compressed", "int8_decode", "int8_encode", "orthogonalize",
-           "parse_codec", "powersgd_round"]
+           "parse_codec"]

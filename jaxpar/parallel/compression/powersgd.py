@@ -35,14 +35,6 @@ def orthogonalize(p):
     return q
 
 
-def powersgd_round(m, q, mean_fn):
-    """One PowerSGD power iteration on this replica's matrix `m` (n x m) with warm start `q` (m x R); `mean_fn`
-    averages over replicas. Returns (the averaged approximation orth(P) Q^T, the new Q)."""
-    p = orthogonalize(mean_fn(m @ q))
-    q = mean_fn(m.T @ p)
-    return p @ q.T, q
-
-
 class PowerSGD:
     """Rank-R PowerSGD with error feedback (unless `error_feedback=False`) and warm start; runs on whole
     (auto-sharded) arrays."""

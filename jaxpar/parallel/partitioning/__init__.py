@@ -11,6 +11,7 @@ library asks it for layouts by what they are for (`from jaxpar.parallel import p
 - `replicas`: per-replica stacks, ZeRO-3's gathered copies, a replica's own shard of each leaf;
 - `communicators`: a compressed communicator's state and PowerSGD's factors;
 - `restore`: where a saved array is read;
+- `sequence`: an activation's sequence split over the seq axis (context parallelism);
 - `specs`: the primitives they share (replicated, per replica, an entry's axes, bytes per device).
 """
 
@@ -22,6 +23,7 @@ from jaxpar.parallel.partitioning.replicas import (fsdp_reduce_specs, gathered_o
                                                    replicate_within, stacked, within_replica_axes,
                                                    within_replica_specs, within_replica_splits)
 from jaxpar.parallel.partitioning.restore import restore_sharding
+from jaxpar.parallel.partitioning.sequence import sequence_blocks
 from jaxpar.parallel.partitioning.rules import DEFAULT_RULES, LAYERS, normalize_rules, spec_for, validate_rules
 from jaxpar.parallel.partitioning.specs import (PER_REPLICA, REPLICATED, bytes_per_device, constrain,
                                                 device_grid_spec, leading_over_devices, replicated,
@@ -36,6 +38,7 @@ __all__ = ["COMM_OWN", "DEFAULT_RULES", "LAYERS", "PER_REPLICA", "REPLICATED", "
            "constrain", "device_grid_spec", "factor_specs", "factor_splits", "fsdp_anywhere", "fsdp_reduce_specs",
            "fsdp_rows", "fsdp_split", "gathered_over", "is_variable", "leading_over_devices", "logical_names_of",
            "normalize_rules", "optimizer_shardings", "over_stages", "own_axes", "per_fsdp_device",
-           "replicate_within", "replicated", "replicated_specs", "restore_sharding", "spec_for", "specs_of",
-           "split_axes", "stacked", "stage_row_shards", "stage_rows", "stage_rows_axis", "state_shardings",
-           "validate_rules", "within_replica_axes", "within_replica_specs", "within_replica_splits"]
+           "replicate_within", "replicated", "replicated_specs", "restore_sharding", "sequence_blocks",
+           "spec_for", "specs_of", "split_axes", "stacked", "stage_row_shards", "stage_rows", "stage_rows_axis",
+           "state_shardings", "validate_rules", "within_replica_axes", "within_replica_specs",
+           "within_replica_splits"]

@@ -1,0 +1,196 @@
+"""The Ray runtime: the emulation predicts it exactly (replaying its real schedule gives its parameters; SSP(0) on
+the runtime is sync SGD), faults lose nothing and apply nothing twice, and bad input is one line.
+
+One local Ray instance for the whole module (2 CPUs), tiny MLPs, a few updates."""
+
+import math
+import os
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.runtime.ray import replay_batches, replay_strategy, run
+
+ray = pytest.importorskip("ray")
+TOL = 1e-5  # float32 params after ~12 updates: different XLA programs (one device vs a shard_map over two)
+
+
+class Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 8, rngs=rngs)
+        self.b = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jax.nn.tanh(self.a(x)))
+
+
+def loss(model, batch):
+    return ((model(batch["x"])[:, 0] - batch["y"]) ** 2).mean(), {}
+
+
+def batches(worker, workers, seq):
+    rng = np.random.default_rng([worker, seq])
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+    return {"x": x, "y": x.sum(1).astype(np.float32)}
+
+
+def failing(rngs):
+    raise RuntimeError("my model is broken\nsecond line")
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def emulated(strategy, global_batches):
+    trainer = jaxpar.Trainer(Tiny, loss, optax.sgd(0.05), jaxpar.make_mesh("data=2", devices=jax.devices()[:2]),
+                             strategy=strategy)
+    state = trainer.init(0)
+    for batch in global_batches:
+        state, _ = trainer.step(state, batch)
+    return trainer.params(state)
+
+
+def assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.slow
+def test_asp_replayed_through_the_emulation_gives_the_same_parameters(ray_instance, tmp_path):
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.ASP(stragglers="1:3.0"), batches, 12,
+              run_dir=str(tmp_path))
+    assert out.version == 12 and out.duplicates == 0
+    assert max(r["staleness_max"] for r in out.records) >= 1  # the straggler's gradients really were stale
+    replayed = emulated(replay_strategy(out.schedule, 2), replay_batches(out.schedule, batches, 2))
+    assert_close(out.params, replayed)
+    lines = open(tmp_path / "worker-1.jsonl").read().splitlines()
+    assert lines and all(k in lines[0] for k in ("version_read", "staleness", "wait_s"))
+
+
+@pytest.mark.slow
+def test_ssp_staleness_0_on_the_runtime_is_sync_sgd(ray_instance):
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.SSP(0, stragglers="0:2.0"), batches, 6)
+    assert all(r["contributors"] == 2 and r["staleness_max"] == 0 for r in out.records)
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(6)]
+    assert_close(out.params, emulated(jaxpar.Sync(), same))
+
+
+@pytest.mark.slow
+def test_a_model_failing_inside_a_worker_is_one_line_and_leaves_nothing(ray_instance, tmp_path):
+    with pytest.raises(jaxpar.JaxparError, match=r"^worker 0: model failing: the factory raised RuntimeError: my "
+                                                 r"model is broken; it must build") as error:
+        run(failing, loss, optax.sgd(0.05), "data=2", jaxpar.ASP(), batches, 3, run_dir=str(tmp_path / "records"))
+    assert "\n" not in str(error.value) and not (tmp_path / "records").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_worker_rejoins_and_nothing_is_lost_or_applied_twice(ray_instance, tmp_path):
+    def killer(progress, done=[]):  # SIGKILL worker 1 once, mid-run
+        if not done and progress["version"] >= 3:
+            done.append(os.kill(int(open(tmp_path / "pid1").read()), signal.SIGKILL))
+
+    def slow_batches(worker, workers, seq):
+        if worker == 1 and not (tmp_path / "pid1").exists():
+            (tmp_path / "pid1").write_text(str(os.getpid()))
+        time.sleep(0.05)
+        return batches(worker, workers, seq)
+
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.SSP(1), slow_batches, 30, max_restarts=1,
+              on_progress=killer, progress_every=0.2)
+    assert out.restarts[1] == 1 and out.duplicates == 0
+    for worker in (0, 1):
+        seqs = [d.seq for update in out.schedule for d in update if d.worker == worker]
+        assert seqs == list(range(len(seqs)))  # every batch exactly once, in order
+    assert max(r["staleness_max"] for r in out.records) <= 1
+
+
+def test_bad_runs_are_refused_before_ray_starts():
+    with pytest.raises(jaxpar.MeshError, match="data axis is 1"):
+        run(Tiny, loss, optax.sgd(0.1), "data=1,model=2", jaxpar.ASP(), batches, 3)
+    with pytest.raises(jaxpar.ConfigError, match="post-local SGD"):
+        run(Tiny, loss, optax.sgd(0.1), "data=2", jaxpar.LocalSGD(2, local_after=3), batches, 3)
+    with pytest.raises(jaxpar.ConfigError, match="compression is not supported"):
+        run(Tiny, loss, optax.sgd(0.1), "data=2", jaxpar.Sync(allreduce="psum", compress="bf16"), batches, 3)
+
+
+def test_without_ray_the_extra_to_install_is_named(monkeypatch):
+    from jaxpar.runtime.ray.connect import ray_module
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(jaxpar.ConfigError, match=r"needs Ray, which is not installed; pip install 'jaxpar\[ray\]'"):
+        ray_module()
+
+
+def test_an_unreachable_address_is_said_quickly():
+    from jaxpar.runtime.ray.connect import check_address
+
+    started = time.time()
+    with pytest.raises(jaxpar.OptionError, match="ray_address='127.0.0.1:1': nothing answers there"):
+        check_address("127.0.0.1:1")
+    assert time.time() - started < 30
+
+
+@pytest.mark.slow
+def test_a_killed_server_ends_the_run_in_one_line_and_resumes_exactly(ray_instance, tmp_path):
+    folder = str(tmp_path / "server")
+
+    def kill_server(progress, done=[]):
+        if not done and progress["version"] >= 4:
+            done.append(os.kill(int(open(tmp_path / "server.pid").read()), signal.SIGKILL))
+
+    def slow_batches(worker, workers, seq):
+        time.sleep(0.1)
+        return batches(worker, workers, seq)
+
+    died = r"^the parameter server died \(noticed at: [a-z ]+\); the run stops here"
+    with pytest.raises(jaxpar.JaxparError, match=died):
+        run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), slow_batches, 8, checkpoint_dir=folder,
+            checkpoint_every=2, on_progress=kill_server, progress_every=0.2, run_dir=str(tmp_path))
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), batches, 8, checkpoint_dir=folder,
+              checkpoint_every=2, resume=True)
+    assert out.resumed_at in (4, 6) and out.version == 8
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(8)]
+    assert_close(out.params, emulated(jaxpar.Sync(), same))
+
+
+@pytest.mark.slow
+def test_asynchronous_diloco_across_two_workers_of_two_devices(ray_instance, tmp_path):
+    from jaxpar.runtime.ray.outer import delayed_nesterov
+
+    strategy = jaxpar.DiLoCo(2, delayed_nesterov(0.7, 0.9, delay=2), stragglers="1:2.0")
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2,model=2", strategy, batches, 6, run_dir=str(tmp_path))
+    assert out.version == 6 and all(r["contributors"] == 1 for r in out.records)  # merged as each change arrives
+    first = [r["loss"] for r in out.records[:2]]
+    assert np.isfinite([r["loss"] for r in out.records]).all() and out.records[-1]["loss"] < max(first)
+    assert {d.worker for update in out.schedule for d in update} == {0, 1}
+
+
+@pytest.mark.slow
+def test_local_sgd_meeting_on_the_runtime_is_the_emulated_local_sgd(ray_instance):
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.LocalSGD(2), batches, 3, asynchronous_local=False)
+    assert all(r["contributors"] == 2 for r in out.records)
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(6)]
+    assert_close(out.params, emulated(jaxpar.LocalSGD(2), same))
+
+
+def test_delayed_nesterov_with_delay_1_is_nesterov_sgd():
+    from jaxpar.runtime.ray.outer import delayed_nesterov
+
+    params = {"w": np.ones(3, np.float32)}
+    mine, theirs = delayed_nesterov(0.5, 0.9, 1), optax.sgd(0.5, momentum=0.9, nesterov=True)
+    a, b = mine.init(params), theirs.init(params)
+    for g in (1.0, -2.0, 0.5):
+        grads = {"w": np.full(3, g, np.float32)}
+        (ua, a), (ub, b) = mine.update(grads, a), theirs.update(grads, b)
+        np.testing.assert_allclose(ua["w"], ub["w"], rtol=1e-6)
