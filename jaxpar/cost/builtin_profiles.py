@@ -25,14 +25,16 @@ PROFILES: dict[str, Profile] = {
                            _A100_MEMORY, _A100_SUSTAINED),
     # stage gets the data axis's link: both are the outer axes that cross nodes (mesh.AXES' order)
     "a100-ib100": Profile("a100-ib100", _A100_PEAK, {mesh_lib.DATA: _IB100, mesh_lib.STAGE: _IB100,
-                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
+                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.SEQ: _NVLINK,
+                                                     mesh_lib.MODEL: _NVLINK},
                           _NVLINK_SOURCE + "; the data and stage axes cross nodes on 100 Gb/s InfiniBand (EDR: "
-                          "12.5 GB/s per device); fsdp and model inside a node; alpha 10 us across nodes assumed",
+                          "12.5 GB/s per device); fsdp, seq and model inside a node; alpha 10 us across nodes assumed",
                           _A100_MEMORY, _A100_SUSTAINED),
     "a100-eth10": Profile("a100-eth10", _A100_PEAK, {mesh_lib.DATA: _ETH10, mesh_lib.STAGE: _ETH10,
-                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.MODEL: _NVLINK},
+                                                     mesh_lib.FSDP: _NVLINK, mesh_lib.SEQ: _NVLINK,
+                                                     mesh_lib.MODEL: _NVLINK},
                           _NVLINK_SOURCE + "; the data and stage axes cross nodes on 10 Gb/s Ethernet (1.25 GB/s "
-                          "per device); fsdp and model inside a node; alpha 50 us (TCP) assumed", _A100_MEMORY,
+                          "per device); fsdp, seq and model inside a node; alpha 50 us (TCP) assumed", _A100_MEMORY,
                           _A100_SUSTAINED),
     # DGX A100: 8 GPUs on NVSwitch, 8 ConnectX-6 HDR 200 Gb/s InfiniBand NICs for compute (25 GB/s each)
     "dgx-a100": Profile("dgx-a100", _A100_PEAK, {a: _NVLINK for a in mesh_lib.AXES},

@@ -123,9 +123,12 @@ def _read_items(items, fields: dict, bad) -> tuple[dict, dict, dict]:
 def _place_links(fields: dict, every: dict, per_axis: dict, inter: dict, bad) -> None:
     """Every axis's link in `fields["links"]` and the link between nodes, from the base's and the items'."""
     links = fields["links"]
+    from_base = bool(links)  # a base profile may leave an axis out (older files have no seq): its slowest link prices it
     for axis in mesh_lib.AXES:
         old = links.get(axis)
         given = {**every, **per_axis.get(axis, {})}
+        if old is None and not given and from_base:
+            continue
         if old is None and set(given) != {"alpha", "bandwidth"}:
             raise bad(f"the {axis} axis has no {'alpha' if 'alpha' not in given else 'bandwidth'}; give alpha= and "
                       f"bandwidth= (for every axis) or start from a named profile; {_HELP}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.pipeline.config import Pipeline
+from jaxpar.pipeline.config import ONE_F_ONE_B, Pipeline
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,12 @@ class LayerRun:
     @property
     def splits_loss(self) -> bool:
         """A stage mesh: the training step cuts the loss at the stack (`jaxpar.pipeline.split`), so the rest of the
-        model runs inside the schedule, per microbatch."""
-        return self.stages > 1
+        model runs inside the schedule, per microbatch. With a seq axis GPipe and circular keep the whole-batch step
+        (the stack pipelined, the rest of the model outside it), which runs context parallelism; 1F1B always splits
+        (and is refused with seq, `jaxpar.train.setup`)."""
+        if self.stages == 1:
+            return False
+        return self.pipeline.schedule == ONE_F_ONE_B or mesh_lib.seq_ways(self.mesh) == 1
 
 
 ALONE = LayerRun()  # a Stack outside a trainer

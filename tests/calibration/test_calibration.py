@@ -43,7 +43,7 @@ MESH = jaxpar.make_mesh("2x4")
 def test_a_known_machine_is_recovered_exactly():
     profile = machine.calibrate(MESH, measure=_known_machine(7e-6, 3e9), flops=2.5e12)
     assert profile["flops"] == 2.5e12
-    assert set(profile["links"]) == {"data", "stage", "fsdp", "model"}
+    assert set(profile["links"]) == {"data", "stage", "fsdp", "seq", "model"}
     for axis in ("data", "model"):  # measured: every kind gives the same link back
         for kind in links.KINDS:
             fitted = profile["calibration"]["axes"][axis][kind]
@@ -52,7 +52,7 @@ def test_a_known_machine_is_recovered_exactly():
             assert fitted["fit"]["worst_relative_error"] < 1e-9
         assert profile["calibration"]["axes"][axis]["crosses_processes"] is False
     assert profile["links"]["fsdp"] == profile["links"]["data"] or profile["links"]["fsdp"] == profile["links"]["model"]
-    assert "stage, fsdp not in the mesh" in profile["source"]
+    assert "stage, fsdp, seq not in the mesh" in profile["source"]
 
 
 def test_a_latency_below_the_noise_is_zero_and_said():
@@ -80,7 +80,7 @@ def test_cli_writes_a_profile_that_names_every_axis(tmp_path, capsys):
                      "--repeats", "1", "--trips", "2"])
     assert code == 0
     profile = json.loads(out.read_text())
-    assert profile["flops"] > 0 and set(profile["links"]) == {"data", "stage", "fsdp", "model"}
+    assert profile["flops"] > 0 and set(profile["links"]) == {"data", "stage", "fsdp", "seq", "model"}
     assert profile["calibration"]["mesh"] == {"data": 2, "stage": 1, "fsdp": 1, "seq": 1, "model": 4}
     assert os.listdir(tmp_path) == ["machine.json"]
     assert f"use it with run.py --hardware {out}" in capsys.readouterr().err
@@ -152,7 +152,7 @@ def test_each_collective_kind_keeps_its_own_link_and_is_priced_on_it():
     found = machine.calibrate(MESH, measure=_kinds_machine(7e-6, 3e9, 150e-6), flops=2.5e12)
     assert math.isclose(found["links"]["data"]["alpha"], 7e-6, rel_tol=1e-6)  # links: the all-reduce fit
     own = found["kinds"]["collective-permute"]
-    assert set(own) == {"data", "stage", "fsdp", "model"}
+    assert set(own) == {"data", "stage", "fsdp", "seq", "model"}
     assert math.isclose(own["data"]["alpha"], 150e-6, rel_tol=1e-6)
     assert math.isclose(found["kinds"]["all-gather"]["model"]["alpha"], 7e-6, rel_tol=1e-6)
     profile = Profile.from_dict(found)  # what --hardware FILE reads

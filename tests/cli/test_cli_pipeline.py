@@ -186,5 +186,5 @@ def test_a_tiny_1f1b_run_on_two_stages_trains():
                            "--steps", "2", "--pipeline", "1f1b", "--microbatches", "2"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "on mesh data=1 x stage=2 x fsdp=1 x model=1" in done.stdout and "step 2/2" in done.stdout
+    assert "on mesh data=1 x stage=2 x fsdp=1 x seq=1 x model=1" in done.stdout and "step 2/2" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr

@@ -40,7 +40,7 @@ def test_ray_flags_are_checked_before_anything_starts(capsys, tmp_path):
 def test_explain_shows_workers_devices_and_bytes(capsys):
     assert run.main(ASP + ["--mesh", "data=2,model=2", "--explain", "--stragglers", "1:3.0"]) == 0
     out = capsys.readouterr().out
-    assert "runtime ray: 2 workers (ReplicaWorker actors), each on mesh data=1,stage=1,fsdp=1,model=2 (2 devices)" in out
+    assert "runtime ray: 2 workers (ReplicaWorker actors), each on mesh data=1,stage=1,fsdp=1,seq=1,model=2 (2 devices)" in out
     assert "each push sends" in out and "emulator's projection" in out and "ratio 0.333" in out
 
 

@@ -17,7 +17,7 @@ from jaxpar.strategies.simulation import simulate
 from jaxpar.strategies.stragglers import parse_stragglers
 from tests.helpers import batch_for, trainer_for
 
-AXES = ("data", "stage", "fsdp", "model")
+AXES = ("data", "stage", "fsdp", "seq", "model")
 NVLINK = Link(5e-6, 300e9)
 
 
@@ -53,18 +53,20 @@ def test_custom_profile_gives_its_numbers_to_every_axis():
     mixed = parse_hardware("flops=1e12,data.bandwidth=2e9,alpha=0,bandwidth=1e9")
     assert [mixed.links[a] for a in AXES] == [Link(0.0, 2e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
     staged = parse_hardware("flops=1e12,alpha=0,bandwidth=1e9,stage.bandwidth=3e9")
-    assert [staged.links[a] for a in AXES] == [Link(0.0, 1e9), Link(0.0, 3e9), Link(0.0, 1e9), Link(0.0, 1e9)]
+    assert [staged.links[a] for a in AXES] == [Link(0.0, 1e9), Link(0.0, 3e9), Link(0.0, 1e9), Link(0.0, 1e9), Link(0.0, 1e9)]
 
 
 def test_overrides_change_only_the_named_link():
     profile = parse_hardware("a100-nvlink,data.bandwidth=1.25e9,data.alpha=5e-5")
     assert profile.flops == 312e12
-    assert profile.links == {"data": Link(5e-5, 1.25e9), "stage": NVLINK, "fsdp": NVLINK, "model": NVLINK}
+    assert profile.links == {"data": Link(5e-5, 1.25e9), "stage": NVLINK, "fsdp": NVLINK, "seq": NVLINK,
+                             "model": NVLINK}
     assert profile.source.endswith("overridden: data.bandwidth=1.25e9, data.alpha=5e-5")
     assert PROFILES["a100-nvlink"].links["data"] == NVLINK  # the named profile is left alone
     every = parse_hardware("a100-ib100,alpha=0,flops=1e12")
     assert every.flops == 1e12
     assert every.links == {"data": Link(0.0, 12.5e9), "stage": Link(0.0, 12.5e9), "fsdp": Link(0.0, 300e9),
+                           "seq": Link(0.0, 300e9),
                            "model": Link(0.0, 300e9)}
 
 
@@ -234,7 +236,7 @@ def test_ring_torus2d_and_ps_priced_from_their_compiled_permutes():
         trainer.step(trainer.init(0), batch)  # prices the step it compiles
         ops[name] = collective_ops(trainer.compiled_step("sync"), trainer.mesh)
     mesh, profile = trainers["ring"].mesh, trainers["ring"].pricer.profile
-    assert mesh.devices.shape == (8, 1, 1, 1) and trainers["torus2d"].strategy.torus_x == 2
+    assert mesh.devices.shape == (8, 1, 1, 1, 1) and trainers["torus2d"].strategy.torus_x == 2
     params = trainers["ring"].abstract_state().params
     elements = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     assert elements == 64 * 32 + 32 + 32 * 10 + 10  # 2410 float32

@@ -295,14 +295,14 @@ def test_a_perturbed_copy_on_one_device_is_named():
     shards = []
     for shard in kernel.addressable_shards:
         data = np.asarray(shard.data)
-        if shard.device == trainer.mesh.devices[2, 0, 0, 1]:
+        if shard.device == trainer.mesh.devices[2, 0, 0, 0, 1]:
             data = data.copy()
             data[0, 0] = np.nextafter(data[0, 0], np.inf)  # one ulp on one device
         shards.append(jax.device_put(data, shard.device))
     bad = jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, shards)
     state.params["hidden"]["kernel"].value = bad
     check = ReplicaCheck(trainer.state_shardings.params, trainer.mesh)
-    device = trainer.mesh.devices[2, 0, 0, 1]
+    device = trainer.mesh.devices[2, 0, 0, 0, 1]
     with pytest.raises(ReplicaMismatch, match=rf"^replica check at step 7: parameter hidden\.kernel\.value: "
                                               rf"the copy on {device} \(data=2,model=1\) differs from the copy on "):
         check.check(state.params, 7)
