@@ -113,8 +113,8 @@ def check_combinations(config) -> None:
     check_stages(config, spec_stages(config))  # a -1 in --mesh: checked again once the mesh exists
     check_context(config, spec_seq(config))  # likewise
     if config.bn == BN_SYNC and strategies.from_config(config).local_statistics:
-        raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies.WHOLE_BATCH)} without --allreduce; "
-                          f"the explicit strategies normalise each replica's slice (use --bn local)")
+        raise ConfigError(f"--bn sync needs --strategy {' / '.join(strategies.WHOLE_BATCH)} without --allreduce or "
+                          f"--compress; the explicit strategies normalise each replica's slice (use --bn local)")
 
 
 def check_profile(config) -> None:

@@ -65,8 +65,8 @@ def link_kind(algorithm: str, collective: str, codec) -> str:
         return "all-reduce"
     if algorithm != "psum":
         return "collective-permute"
-    if collective == "all-gather":
-        return "all-gather"
+    if collective in ("all-gather", "all-to-all"):
+        return collective
     return "all-to-all" if getattr(codec, "dtype", None) is not None else "all-reduce"
 
 
@@ -81,14 +81,15 @@ def exchange_seconds(communicator, shapes, n: int, profile, axes, splits=None) -
     for t in communicator.traffic(shapes, n, splits):
         link = profile.link(axes, link_kind(communicator.name, t["collective"], codec))
         steps = t["steps"]
-        if t["collective"] == "all-gather" and communicator.name != "psum":
-            steps = gather_steps(communicator, n) * gathered_arrays(codec)
+        if t["collective"] in ("all-gather", "all-to-all", "push + pull") and communicator.name != "psum":
+            chain = {"all-gather": gather_steps(communicator, n), "all-to-all": n - 1, "push + pull": 2 * (n - 1)}
+            steps = chain[t["collective"]] * gathered_arrays(codec)
         total += steps * link.alpha + t["bytes_sent_per_device"] / link.bandwidth
     return total
 
 
 def gathered_arrays(codec) -> int:
-    """Arrays a codec's all-gather gathers, each its own chain of ppermutes: int8's codes and its scales."""
+    """Arrays a codec's all-to-all / all-gather sends, each its own chain of ppermutes: int8's codes and scales."""
     from jaxpar.parallel.compression import Int8
 
     return 2 if isinstance(codec, Int8) else 1
@@ -166,9 +167,10 @@ def theory_text(codec, shapes, n: int) -> str:
         extra = ", plus one float32 scale per leaf (pmax)" if codec.name == "fp16" else ""
         return f"{codec.name} on the wire: 1/2 of float32{extra}"
     if isinstance(codec, Int8):
-        return (f"int8 codes + a float32 scale per {INT8_CHUNK} elements, all-gathered ((N-1) x n bytes against "
-                f"float32's ring 2(N-1)/N x 4n): N/8 x (1 + 4/{INT8_CHUNK}) = {n / 8 * (1 + 4 / INT8_CHUNK):.3f} of "
-                f"float32 on {n} replicas, plus padding to whole chunks")
+        return (f"int8 two-shot: int8 codes + a float32 scale per {INT8_CHUNK} elements sent by an all-to-all "
+                f"(reduce-scatter), summed in float32, requantized by each shard's owner and all-gathered (2(N-1)/N x "
+                f"n bytes against float32's 2(N-1)/N x 4n): (1 + 4/{INT8_CHUNK}) / 4 = "
+                f"{(1 + 4 / INT8_CHUNK) / 4:.3f} of float32, plus padding to whole chunks and shards")
     if isinstance(codec, PowerSGD):
         return (f"PowerSGD R={codec.rank}: P (n x R) and Q (m x R) instead of n x m, (n+m)R/(nm) per matrix "
                 f"({_matrices(codec, shapes)}); vectors and small matrices whole")

@@ -84,7 +84,7 @@ def reduce_scatter(stacked, param_shardings, mesh, codec=None):
 
 def _whole_mean(wire, codec, leaves, fsdp):
     """The mean over fsdp of parameters whole over fsdp: the codec's all-reduce (`compression`: bf16 / fp16 as an
-    all-to-all + all-gather of 16 bits, int8 an all-gather of the codes), without its error feedback; float32: pmean."""
+    all-to-all + all-gather of 16 bits, int8 two-shot), without its error feedback; float32: pmean."""
     if not leaves:
         return []
     if wire == FLOAT32:

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxpar.checks import check_int
-from jaxpar.errors import ConfigError, OptionError
+from jaxpar.errors import ConfigError
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel.collectives import Communicator
 from jaxpar.parallel.collectives import communicator as make_communicator
@@ -160,6 +160,7 @@ class StrategyBase:
             make_communicator("psum", torus_x)  # raises: a torus X applies only to torus2d
         self.communicator = None if allreduce is None else make_communicator(allreduce, torus_x)
         self.stragglers = as_stragglers(stragglers)
+        self.notes: list[str] = []  # what the trainer logs at start (`Trainer.notes`)
 
     @property
     def allreduce(self) -> str | None:
@@ -172,13 +173,16 @@ class StrategyBase:
     def _compress(self, compress) -> None:
         """Wraps this strategy's exchange over the replica axis in the codec `compress` names (None / 'none':
         unchanged; a codec object is taken as it is). A codec wraps a hand-written exchange; the compiler's
-        averaging (`Sync()`'s default, no communicator) has none to wrap, so it needs an explicit allreduce."""
+        averaging (`Sync()`'s default, no communicator) has none to wrap, so a codec without an allreduce takes the
+        hand-written psum, with a note."""
         codec = parse_codec(compress) if compress is None or isinstance(compress, str) else compress
         if codec is None:
             return
         if self.communicator is None:
-            raise OptionError("compress", compress, "needs an explicit {allreduce} (psum, ring, torus2d or ps) to "
-                                                    "wrap; the compiler's averaging cannot be compressed")
+            self.communicator = make_communicator("psum")
+            self.notes.append(f"compress {codec.name} without an allreduce: the gradient is averaged by the "
+                              f"hand-written psum (allreduce psum), since the compiler's averaging cannot be "
+                              f"compressed; each replica draws its own dropout masks and BatchNorm statistics")
         self.communicator = compressed(self.communicator, codec)
 
     def check_against_mesh(self, ctx) -> None:

@@ -27,6 +27,7 @@ from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import fsdp_reduce
 from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel.collectives import allreduce_in_one_buffer
+from jaxpar.parallel.compression import CompressedCommunicator
 from jaxpar.runtime.distributed import one_buffer_gradients
 from jaxpar.train.faults import finite_within, select_tree
 from jaxpar.train.step import loss_and_grad
@@ -60,14 +61,19 @@ def mean_params_like(ctx, tree, comm_state=()):
         return tree, comm_state
     if comm.native and one_buffer_gradients(ctx.mesh):
         return allreduce_in_one_buffer(tree, AXIS), comm_state
+    # an elementwise codec may put leaves split over the same within-replica axes into one chunk (`Exchange`)
+    compressing = isinstance(comm, CompressedCommunicator)
     if comm.native or mesh_lib.size(ctx.mesh, mesh_lib.WITHIN_REPLICA_AXES) == 1:
-        return comm.mean(tree, comm_state, AXIS)
+        groups = {"groups": [()] * len(jax.tree.leaves(tree))} if compressing else {}
+        return comm.mean(tree, comm_state, AXIS, **groups)
     if not getattr(comm, "per_shard", True):  # PowerSGD: whole matrices (the compiler shards its matmuls), and
         return comm.mean(tree, comm_state, AXIS, shardings=ctx.param_shardings)  # each device sends its factor rows
     specs = shd.within_replica_specs(ctx.param_shardings)
     state_specs = shd.communicator_specs(comm_state, ctx.param_shardings)
+    groups = {"groups": [shd.within_replica_axes(s) for s in jax.tree.leaves(
+        ctx.param_shardings, is_leaf=lambda x: hasattr(x, "spec"))]} if compressing else {}
     # no `mesh=`: inside the outer shard_map the context mesh (replica axis already manual) is the one to use
-    return jax.shard_map(lambda t, s: comm.mean(t, s, AXIS), in_specs=(specs, state_specs),
+    return jax.shard_map(lambda t, s: comm.mean(t, s, AXIS, **groups), in_specs=(specs, state_specs),
                          out_specs=(specs, state_specs), axis_names=set(mesh_lib.WITHIN_REPLICA_AXES),
                          check_vma=False)(tree, comm_state)
 

@@ -181,8 +181,10 @@ class Trainer:
     @property
     def notes(self) -> list[str]:
         """What the sharding plan decided that you should know (replicated names, parameters FSDP left whole), and
-        what `from_linen` inferred (train_kwargs / eval_kwargs)."""
-        return self.sharding_notes.lines(self.mesh) + factory_notes(self._factory)
+        what `from_linen` inferred (train_kwargs / eval_kwargs), and the strategy's own (e.g. the psum a codec
+        without an allreduce takes)."""
+        return (self.sharding_notes.lines(self.mesh) + factory_notes(self._factory) +
+                list(getattr(self.strategy, "notes", ())))
 
     @property
     def trace_count(self) -> int:

@@ -48,12 +48,12 @@ def test_int8_noef_sends_the_quantised_gradient_and_keeps_no_residual():
     def one(x, r):
         (a,), own, _ = noef.mean([x], [], (), exchange("ring"), N, REPLICA_AXIS)
         assert own == []  # nothing kept
-        (b,), (new,), _ = ef.mean([x], [r], (), exchange("ring"), N, REPLICA_AXIS)
+        (b,), (_, new), _ = ef.mean([x], [jnp.zeros_like(r), r], (), exchange("ring"), N, REPLICA_AXIS)
         return a, b, new
 
     a, b, new = (np.asarray(t) for t in per_replica(one)(g, 0.05 * g))
-    sent = np.stack([np.asarray(cz.int8_decode(*cz.int8_encode(jnp.asarray(v)), 300)) for v in g])
-    np.testing.assert_allclose(a, np.broadcast_to(sent.mean(0), a.shape), rtol=1e-6, atol=1e-6)
+    # two quantizations (each replica's gradient, then the owner's mean), each within half a step of 256 elements
+    assert np.abs(a - g.mean(0)).max() < 0.05 and (a == a[0]).all()
     assert np.abs(a - b).max() > 1e-3  # error feedback adds the old residual; noef does not
     assert np.abs(new).max() > 0
 

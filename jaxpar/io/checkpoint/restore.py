@@ -103,13 +103,16 @@ def _through_neutral(checkpoints, step: int, meta: dict, trainer, same_strategy:
 
 
 REGROUPED_NOTE = ("the communicator's per-replica state (error-feedback residuals) of {old} replicas was averaged "
-                  "and given to each of the {new} replicas: the mean residual, which is what the next averaged "
-                  "gradient receives, is kept")
+                  "(int8's shard-owner residuals summed) and given to each of the {new} replicas: what the next "
+                  "averaged gradient receives is kept")
+# int8's shard-owner residuals: each replica holds the elements it owns (zeros elsewhere), so their sum is the whole
+OWNER_RESIDUALS = f"comm_state.{partitioning.COMM_OWN}.owner."
 
 
 def regroup_replicas(values: dict, wanted: dict) -> tuple[dict, tuple]:
     """(`values` with every `comm_state` array saved with another leading (replica) dimension than this trainer's
-    averaged over it and broadcast to this trainer's, (saved replicas, new replicas) or ())."""
+    averaged over it (int8's owner residuals: summed) and broadcast to this trainer's, (saved replicas, new
+    replicas) or ())."""
     out, regrouped = dict(values), ()
     for name, described in wanted.items():
         shape = list(described["shape"])
@@ -117,7 +120,8 @@ def regroup_replicas(values: dict, wanted: dict) -> tuple[dict, tuple]:
         if not name.startswith("comm_state.") or value is None or not shape or list(value.shape) == shape:
             continue
         if list(value.shape[1:]) == shape[1:]:
-            mean = jnp.mean(jnp.asarray(value, jnp.float32), axis=0).astype(value.dtype)
+            combine = jnp.sum if name.startswith(OWNER_RESIDUALS) else jnp.mean
+            mean = combine(jnp.asarray(value, jnp.float32), axis=0).astype(value.dtype)
             out[name] = jnp.broadcast_to(mean, shape)
             regrouped = (value.shape[0], shape[0])
     return out, regrouped

@@ -9,7 +9,7 @@ from jax import lax
 
 from jaxpar.parallel.collectives.algorithms import check_algorithm, torus_shape
 from jaxpar.parallel.collectives.buffers import per_flat_buffer
-from jaxpar.parallel.collectives.rings import gather_leaf, ps_mean, torus_sum
+from jaxpar.parallel.collectives.rings import gather_leaf, ps_mean, ps_pull, ps_push, shifted_all_to_all, torus_sum
 
 
 def _fused_mean(leaves, axis_name, n, algorithm, torus, average=True):
@@ -96,3 +96,29 @@ def allgather(tree, axis_name: str, algorithm: str = "psum", *, torus_x: int | N
         return jax.tree.map(lambda x: x[None], tree)
     torus = torus_shape(n, torus_x) if algorithm == "torus2d" else None
     return jax.tree.map(lambda x: gather_leaf(x, axis_name, n, algorithm, torus), tree)
+
+
+def all_to_all(tree, axis_name: str, algorithm: str = "psum"):
+    """Every leaf [N, ...]: row j goes to device j; returns [N, ...] with row i from device i. psum -> XLA's
+    all-to-all; ring / torus2d -> N-1 ppermutes (`rings.shifted_all_to_all`); ps has none (it pushes and pulls)."""
+    check_algorithm(algorithm)
+    n = lax.axis_size(axis_name)
+    if n == 1:
+        return tree
+    if algorithm == "psum":
+        return jax.tree.map(lambda x: lax.all_to_all(x, axis_name, 0, 0), tree)
+    if algorithm == "ps":
+        raise ValueError("the parameter server has no all-to-all: push to device 0, pull from it")
+    return jax.tree.map(lambda x: shifted_all_to_all(x, axis_name, n), tree)
+
+
+def push(tree, axis_name: str):
+    """The parameter server's push: every leaf stacked [N, ...] on device 0 (entry i from device i)."""
+    n = lax.axis_size(axis_name)
+    return jax.tree.map(lambda x: ps_push(x, axis_name, n) if n > 1 else x[None], tree)
+
+
+def pull(tree, axis_name: str):
+    """The parameter server's pull: device 0's leaves on every device."""
+    n = lax.axis_size(axis_name)
+    return jax.tree.map(lambda x: ps_pull(x, axis_name, n) if n > 1 else x, tree)

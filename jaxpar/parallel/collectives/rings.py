@@ -85,16 +85,38 @@ def ring_gather(x, axis_name, pos, perm, g):
     return out
 
 
+def ps_push(x, axis_name, n):
+    """[N, ...] on device 0: every device's `x` (entry i from device i), one worker at a time; zeros elsewhere."""
+    out = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, 0, 0)
+    for sender in range(1, n):
+        out = lax.dynamic_update_index_in_dim(out, permute(x, axis_name, [(sender, 0)]), sender, 0)
+    return out
+
+
+def ps_pull(x, axis_name, n):
+    """Device 0's `x` on every device, sent to one worker at a time."""
+    received = jnp.zeros_like(x)
+    for receiver in range(1, n):
+        received = received + permute(x, axis_name, [(0, receiver)])
+    return jnp.where(lax.axis_index(axis_name) == 0, x, received)
+
+
+def shifted_all_to_all(rows, axis_name, n):
+    """`rows` [N, ...]: row j goes to device j; returns [N, ...], row i from device i. N-1 ppermutes, the s-th to
+    the device s places ahead (each device sends N-1 of its N rows once)."""
+    idx = lax.axis_index(axis_name)
+    out = lax.dynamic_update_index_in_dim(jnp.zeros_like(rows), lax.dynamic_index_in_dim(rows, idx, 0, False), idx, 0)
+    for s in range(1, n):
+        got = permute(lax.dynamic_index_in_dim(rows, (idx + s) % n, 0, False), axis_name,
+                      [(j, (j + s) % n) for j in range(n)])
+        out = lax.dynamic_update_index_in_dim(out, got, (idx - s) % n, 0)
+    return out
+
+
 def gather_leaf(x, axis_name, n, algorithm, torus):
     idx = lax.axis_index(axis_name)
     if algorithm == "ps":  # everyone sends to device 0, which sends the whole stack to each worker
-        out = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, 0, 0)
-        for sender in range(1, n):
-            out = lax.dynamic_update_index_in_dim(out, permute(x, axis_name, [(sender, 0)]), sender, 0)
-        received = jnp.zeros_like(out)
-        for receiver in range(1, n):
-            received = received + permute(out, axis_name, [(0, receiver)])
-        return jnp.where(idx == 0, out, received)
+        return ps_pull(ps_push(x, axis_name, n), axis_name, n)
     x_size, y_size = torus if algorithm == "torus2d" else (n, 1)
     col, row = idx % x_size, idx // x_size
     row_perm = [(r * x_size + c, r * x_size + (c + 1) % x_size) for r in range(y_size) for c in range(x_size)]

@@ -37,16 +37,17 @@ class CompressedCommunicator(Communicator):
         own = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape), own)
         return {OWN: own, SHARED: shared}
 
-    def mean(self, tree, state, axis_name: str, shardings=None):
+    def mean(self, tree, state, axis_name: str, shardings=None, groups=None):
         """`shardings`: the params-shaped NamedShardings of `tree` inside a replica, for a whole-array codec
-        (PowerSGD) on a replica of several devices: each device then sends its own part of the factors."""
+        (PowerSGD) on a replica of several devices: each device then sends its own part of the factors. `groups`:
+        per leaf, the within-replica axes it is split over (`Exchange`; None: unknown)."""
         leaves, treedef = jax.tree.flatten(tree)
         own = jax.tree.leaves(state[OWN])
         own = [x[0] for x in own] if own else own
         n = lax.axis_size(axis_name)
         layout = None if shardings is None else [
             (s, x.ndim) for s, x in zip(jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "spec")), leaves)]
-        exchange = Exchange(axis_name, self.name, self.torus_x, layout)
+        exchange = Exchange(axis_name, self.name, self.torus_x, layout, groups)
         means, own, shared = self.codec.mean(leaves, own, state[SHARED], exchange, n, axis_name)
         new_own = jax.tree.unflatten(jax.tree.structure(state[OWN]), [x[None] for x in own]) if own else state[OWN]
         return jax.tree.unflatten(treedef, means), {OWN: new_own, SHARED: shared}
@@ -55,13 +56,23 @@ class CompressedCommunicator(Communicator):
         """Per collective of the codec's exchange: {"collective", "bytes_sent_per_device" (the busiest device's),
         "steps"}, for gradients whose per-device shapes are `shard_shapes` over `n` replicas (a whole-array codec:
         the whole shapes, and `splits`, how each is cut inside a replica; `jaxpar.cost.codecs.gradient_splits`).
-        All-reduces as `theoretical_traffic` of this algorithm; all-gathers: (N-1) x payload in N-1 steps on a ring
-        or torus2d, (N-1) x N x payload at the ps root; psum's all-gather like a ring."""
+        All-reduces as `theoretical_traffic` of this algorithm; an all-to-all: (N-1)/N x payload in N-1 steps;
+        all-gathers: (N-1) x payload in N-1 steps on a ring or torus2d, (N-1) x N x payload at the ps root; psum's
+        all-gather like a ring. A two-shot codec (an all-to-all) on ps: a push and a pull of the whole payload, the
+        root sending (N-1) x it."""
         shapes = [tuple(s) for s in shard_shapes]
-        payload = self.codec.payload(shapes, n) if splits is None else self.codec.payload(shapes, n, splits)
+        if splits is not None:
+            payload = self.codec.payload(shapes, n, splits)
+        else:
+            payload = self.codec.payload(shapes, n)
+            if self.name == "ps" and "all-to-all" in payload:
+                whole = self.codec.payload(shapes, 1)["all-gather"]
+                return [{"collective": "push + pull", "bytes_sent_per_device": (n - 1) * whole, "steps": 2 * (n - 1)}]
         out = []
         for kind, nbytes in payload.items():
-            if kind == "all-gather":
+            if kind == "all-to-all":
+                out.append({"collective": kind, "bytes_sent_per_device": (n - 1) * nbytes / n, "steps": n - 1})
+            elif kind == "all-gather":
                 out.append({"collective": kind, "bytes_sent_per_device": (n - 1) * nbytes * (n if self.name == "ps"
                                                                                               else 1),
                             "steps": n - 1})

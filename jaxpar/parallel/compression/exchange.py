@@ -7,17 +7,19 @@ from jax import lax
 
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.parallel.collectives.allreduce import allgather, allreduce_sum
+from jaxpar.parallel.collectives.allreduce import all_to_all, allgather, allreduce_sum, pull, push
 
 
 class Exchange:
     """The collectives a codec may use, bound to an axis and an algorithm. `shardings` (a whole-array codec's
     leaves' NamedShardings, in leaf order; None for codecs that run per shard or on a replica of one device) lets
-    `mean` send each device's own part of what it averages."""
+    `mean` send each device's own part of what it averages. `groups` (per leaf, a key: leaves of one key differ
+    between the same devices of a replica, so an elementwise codec may mix them in one chunk; None: unknown, each
+    leaf on its own)."""
 
-    def __init__(self, axis_name, algorithm, torus_x, shardings=None):
+    def __init__(self, axis_name, algorithm, torus_x, shardings=None, groups=None):
         self.axis_name, self.algorithm, self.torus_x = axis_name, algorithm, torus_x
-        self.shardings = shardings
+        self.shardings, self.groups = shardings, groups
 
     def sum(self, leaves):
         return allreduce_sum(leaves, self.axis_name, self.algorithm, torus_x=self.torus_x)
@@ -50,3 +52,15 @@ class Exchange:
 
     def gather(self, tree):
         return allgather(tree, self.axis_name, self.algorithm, torus_x=self.torus_x)
+
+    def scatter(self, tree):
+        """All-to-all: each leaf [N, ...], row j to device j; returns row i from device i (`all_to_all`)."""
+        return all_to_all(tree, self.axis_name, self.algorithm)
+
+    def push(self, tree):
+        """ps: every device's leaves stacked [N, ...] on device 0."""
+        return push(tree, self.axis_name)
+
+    def pull(self, tree):
+        """ps: device 0's leaves on every device."""
+        return pull(tree, self.axis_name)

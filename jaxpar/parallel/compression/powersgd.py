@@ -2,6 +2,10 @@
 (shape[0], prod(shape[1:])) = n x m with (n + m) R < n m, sends P = M Q (n x R, averaged), then Q = M^T orth(P)
 (m x R, averaged); the mean is orth(P) Q^T and Q is kept for the next step (warm start). Other leaves are averaged
 uncompressed with the P round. `powersgd:R:noef`: without error feedback (no residual).
+
+Warm-up (`powersgd:R:warmup=W`, torch's `start_powerSGD_iter`): the first W exchanges average every gradient
+uncompressed (a float32 all-reduce, no residual, Q untouched); a counter in the shared state (replicated,
+checkpointed) says when to switch. `powersgd:R` alone takes `DEFAULT_WARMUP`; `warmup=0` switches it off.
 """
 
 from __future__ import annotations
@@ -10,9 +14,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel.compression.error_feedback import NO_EF, finite_or_zero, residuals, with_residual
+
+
+DEFAULT_WARMUP = 0  # the uncompressed exchanges `powersgd:R` starts with (docs/measurements.md: the warm-up table)
+WARMUP_COUNT = "warmup_count"  # the shared state's exchange counter (only with a warm-up)
 
 
 def as_matrix_shape(shape) -> tuple[int, int]:
@@ -32,9 +41,10 @@ class PowerSGD:
 
     elementwise = False
 
-    def __init__(self, rank: int, error_feedback: bool = True):
-        self.rank, self.error_feedback = rank, error_feedback
-        self.name = f"powersgd:{rank}" + ("" if error_feedback else f":{NO_EF}")
+    def __init__(self, rank: int, error_feedback: bool = True, warmup: int = 0):
+        self.rank, self.error_feedback, self.warmup = rank, error_feedback, warmup
+        self.name = (f"powersgd:{rank}" + ("" if warmup == DEFAULT_WARMUP else f":warmup={warmup}") +
+                     ("" if error_feedback else f":{NO_EF}"))
 
     def compresses(self, shape) -> bool:
         """ndim >= 2 and the factors are smaller than the matrix: (n + m) R < n m."""
@@ -48,9 +58,28 @@ class PowerSGD:
         qs = {str(i): jax.random.normal(jax.random.fold_in(jax.random.key(0), i),
                                         (as_matrix_shape(p.shape)[1], self.rank), jnp.float32)
               for i, p in enumerate(leaves) if self.compresses(p.shape)}
+        if self.warmup:
+            qs[WARMUP_COUNT] = jnp.zeros((), jnp.int32)
         return residuals(params, self.error_feedback), qs
 
     def mean(self, leaves, own, shared, exchange, n, axis_name):
+        if not self.warmup:
+            return self._compressed(leaves, own, shared, exchange)
+        count = shared[WARMUP_COUNT]
+        rest = {k: v for k, v in shared.items() if k != WARMUP_COUNT}
+
+        def warm(_):  # uncompressed: the float32 mean of every leaf, each device its own shard where laid out
+            means = exchange.mean([x.astype(jnp.float32) for x in leaves],
+                                  exchange.layout([(i, None) for i in range(len(leaves))]))
+            return [m.astype(g.dtype) for m, g in zip(means, leaves)], list(own), rest
+
+        def cold(_):
+            return self._compressed(leaves, own, rest, exchange)
+
+        means, new_own, new_rest = lax.cond(count < self.warmup, warm, cold, None)
+        return means, new_own, {**new_rest, WARMUP_COUNT: jnp.minimum(count + 1, self.warmup)}
+
+    def _compressed(self, leaves, own, shared, exchange):
         v = with_residual(leaves, own)
         chosen = [i for i, x in enumerate(v) if str(i) in shared]
         mats = {i: v[i].reshape(as_matrix_shape(v[i].shape)) for i in chosen}

@@ -20,8 +20,8 @@ from jaxpar.parallel.partitioning.communicators import (COMM_OWN, communicator_s
                                                         factor_specs, factor_splits)
 from jaxpar.parallel.partitioning.fsdp_placement import fsdp_anywhere, fsdp_split
 from jaxpar.parallel.partitioning.replicas import (fsdp_reduce_specs, gathered_over, per_fsdp_device,
-                                                   replicate_within, stacked, within_replica_specs,
-                                                   within_replica_splits)
+                                                   replicate_within, stacked, within_replica_axes,
+                                                   within_replica_specs, within_replica_splits)
 from jaxpar.parallel.partitioning.restore import restore_sharding
 from jaxpar.parallel.partitioning.sequence import sequence_blocks
 from jaxpar.parallel.partitioning.rules import DEFAULT_RULES, LAYERS, normalize_rules, spec_for, validate_rules
@@ -40,4 +40,5 @@ __all__ = ["COMM_OWN", "DEFAULT_RULES", "LAYERS", "PER_REPLICA", "REPLICATED", "
            "normalize_rules", "optimizer_shardings", "over_stages", "own_axes", "per_fsdp_device",
            "replicate_within", "replicated", "replicated_specs", "restore_sharding", "sequence_blocks",
            "spec_for", "specs_of", "split_axes", "stacked", "stage_row_shards", "stage_rows", "stage_rows_axis",
-           "state_shardings", "validate_rules", "within_replica_specs", "within_replica_splits"]
+           "state_shardings", "validate_rules", "within_replica_axes", "within_replica_specs",
+           "within_replica_splits"]

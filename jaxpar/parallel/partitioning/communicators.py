@@ -21,12 +21,22 @@ def _split_comm(state):
     return None
 
 
+def _params_like(own, params_tree, fn):
+    """`fn(params_tree)` laid out like `own`: the per-replica part is params-shaped, or a dict of params-shaped
+    parts (int8's owner and sender residuals)."""
+    if jax.tree.structure(own) == jax.tree.structure(params_tree, is_leaf=lambda x: isinstance(x, P)) or \
+            not isinstance(own, dict):
+        return fn(params_tree)
+    return {key: fn(params_tree) for key in own}
+
+
 def communicator_shardings(abstract_state, param_shardings, mesh: Mesh):
-    """A communicator's state: its per-replica part (params-shaped, e.g. error-feedback residuals) stacked over the
-    replicas like per-replica parameters; everything else replicated."""
+    """A communicator's state: its per-replica part (params-shaped, e.g. error-feedback residuals, or a dict of such
+    parts) stacked over the replicas like per-replica parameters; everything else replicated."""
     out = jax.tree.map(lambda _: replicated(mesh), abstract_state)
-    if _split_comm(abstract_state) is not None:
-        out[COMM_OWN] = stacked(param_shardings)
+    own = _split_comm(abstract_state)
+    if own is not None:
+        out[COMM_OWN] = _params_like(own, param_shardings, stacked)
     return out
 
 
@@ -35,10 +45,12 @@ def communicator_specs(state, param_shardings=None):
     with `param_shardings`, in the nested shard_map manual over the within-replica axes (the per-replica part:
     its leading dimension whole, the rest like the parameters' shards)."""
     out = replicated_specs(state)
-    if _split_comm(state) is not None:
-        out[COMM_OWN] = (jax.tree.map(lambda _: PER_REPLICA, state[COMM_OWN]) if param_shardings is None else
-                         jax.tree.map(lambda s: P(None, *s), within_replica_specs(param_shardings),
-                                      is_leaf=lambda x: isinstance(x, P)))
+    own = _split_comm(state)
+    if own is not None:
+        out[COMM_OWN] = (jax.tree.map(lambda _: PER_REPLICA, own) if param_shardings is None else
+                         _params_like(own, within_replica_specs(param_shardings),
+                                      lambda specs: jax.tree.map(lambda s: P(None, *s), specs,
+                                                                 is_leaf=lambda x: isinstance(x, P))))
     return out
 
 

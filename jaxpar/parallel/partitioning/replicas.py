@@ -40,6 +40,14 @@ def within_replica_specs(shardings):
     return jax.tree.map(lambda s: drop_axes(s.spec, lambda a: a in inside), shardings, is_leaf=is_sharding)
 
 
+def within_replica_axes(sharding) -> tuple:
+    """The within-replica axes (of size > 1) a leaf laid out by `sharding` is split over: leaves with the same
+    axes differ between exactly the same devices of a replica (an elementwise codec may mix them in one chunk)."""
+    inside = set(mesh_lib.WITHIN_REPLICA_AXES)
+    return tuple(sorted(a for entry in sharding.spec for a in entry_axes(entry)
+                        if a in inside and sharding.mesh.shape[a] > 1))
+
+
 def within_replica_splits(sharding, ndim: int) -> tuple:
     """How many pieces each of a parameter's `ndim` dimensions is cut into inside a replica (over fsdp / model)."""
     inside = set(mesh_lib.WITHIN_REPLICA_AXES)
