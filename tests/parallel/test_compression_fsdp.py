@@ -71,6 +71,8 @@ def expected(codec, grads, k, d, index):
     whole = SPECS[k][1] == P() or FSDP_AXIS not in str(SPECS[k][1])
     if codec is None:
         return sum(parts) / F
+    if codec == "int8" and whole:  # the two-shot all-reduce: checked against its bound (below)
+        return None
     if codec == "int8":  # each sender quantizes this device's block per 256-element chunk
         return sum(int8_roundtrip(p) for p in parts) / F
     if codec == "bf16" and whole:  # compression's psum form: a float32 sum rounded once to bf16
@@ -86,8 +88,14 @@ def test_each_codecs_reduce_scatter_matches_numpy_by_hand(codec):
     for k, (shape, spec) in SPECS.items():
         assert out[k].shape == (D,) + shape
         for d, index in device_slices(mesh, shape, spec):
-            np.testing.assert_allclose(out[k][d][index], expected(codec, grads, k, d, index), rtol=1e-6, atol=1e-7,
-                                       err_msg=f"{codec} {k}")
+            want = expected(codec, grads, k, d, index)
+            if want is None:  # int8 on a leaf whole over fsdp: each sender's and the owner's rounding, half a step
+                parts = np.stack([grads[k][d, f][index] for f in range(F)])  # each, of a scale <= the absmax / 127
+                bound = np.abs(parts).max() / 254 + np.abs(parts.mean(0)).max() / 254
+                np.testing.assert_allclose(out[k][d][index], parts.mean(0), rtol=0, atol=bound * (1 + 1e-6),
+                                           err_msg=f"{codec} {k}")
+                continue
+            np.testing.assert_allclose(out[k][d][index], want, rtol=1e-6, atol=1e-7, err_msg=f"{codec} {k}")
     if codec is not None:  # lossy: not the exact mean
         assert np.abs(out["a"] - grads["a"].mean(1)).max() > 0
 
