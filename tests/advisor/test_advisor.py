@@ -85,6 +85,7 @@ def test_a_plan_that_does_not_fit_ranks_after_every_plan_that_does():
     assert not dp.fits and dp.why == "does not fit a device's memory"
 
 
+@pytest.mark.slow
 def test_a_mesh_the_model_does_not_divide_over_is_refused_with_its_reason():
     config = TINY["transformer"].replace(heads=2)
     batch = {"tokens": jax.ShapeDtypeStruct((8, config.seq_len + 1), np.int32)}
@@ -163,6 +164,7 @@ def test_with_overlap_sync_is_priced_as_explain_prices_it_and_a_meeting_hides_no
     assert report["projection"]["local_sgd"]["seconds"] == pytest.approx((3 * local + meeting) / 4)
 
 
+@pytest.mark.slow
 def test_compiling_the_meshes_at_once_gives_the_same_plans_as_one_at_a_time():
     one = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=1)
     two = advisor.advise(Wide, loss, optax.sgd(0.1), BATCH, "a100-eth10", 4, meshes=MESHES, workers=2)

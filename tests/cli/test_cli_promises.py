@@ -104,6 +104,7 @@ def trainer_for(config):
     ("transformer", {"tokens": np.zeros((8, 40), np.int32)},
      "batch['tokens']: got int32 [8, 40]; the transformer model needs integer [B, L + 1] with 1 <= L <= seq_len 16"),
 ])
+@pytest.mark.slow
 def test_a_built_in_model_names_what_its_batch_lacks(model, batch, message):
     config = (Config(model=model, seq_len=16, layers=1, d_model=32, heads=4, d_ff=64) if model == "transformer"
               else Config(model=model))  # a one-block transformer: the layout check does not need the default

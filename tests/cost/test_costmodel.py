@@ -226,6 +226,7 @@ def test_a_priced_asp_server_by_hand():
 
 # --- ring vs torus2d vs ps, priced from their compiled steps ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_ring_torus2d_and_ps_priced_from_their_compiled_permutes():
     hardware = "flops=1e12,alpha=1e-5,bandwidth=1e9"
     alpha, beta, n = 1e-5, 1e9, 8

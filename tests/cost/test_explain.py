@@ -86,6 +86,7 @@ def test_explain_on_data_fsdp_model_matches_the_zero3_theory():
     assert sum(c["bytes"] for c in gathers) >= p_f // 2 * 2 - 8
 
 
+@pytest.mark.slow
 def test_local_sgd_explains_a_local_step_without_an_exchange_and_a_meeting_with_one():
     trainer = mlp_trainer("4x2", jaxpar.LocalSGD(period=4), hardware="flops=1e12,alpha=1e-5,bandwidth=1e9")
     report = jaxpar.explain(trainer, batch_for("mlp", BATCH))

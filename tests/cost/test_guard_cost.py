@@ -37,6 +37,7 @@ def within_replica_bytes(ops):
 
 @pytest.mark.parametrize("skip", [True, False], ids=["skip", "abort"])
 @pytest.mark.parametrize("mesh,strategy", [("8", None), ("8", jaxpar.Sync("psum"))], ids=["compiler", "psum"])
+@pytest.mark.slow
 def test_on_data_parallel_meshes_the_guard_adds_no_collective(monkeypatch, mesh, strategy, skip):
     guarded = compiled_collectives(monkeypatch, mesh, strategy, skip, True)
     bare = compiled_collectives(monkeypatch, mesh, strategy, skip, False)

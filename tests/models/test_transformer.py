@@ -320,6 +320,7 @@ def old_model(rngs, layers=3, dropout=0.0):
     return OldTransformer(**SMALL, layers=layers, dropout=dropout, rngs=rngs)
 
 
+@pytest.mark.slow
 def test_unstacked_parameters_convert_to_the_stacked_layout():
     with nnx.use_eager_sharding(False):
         old = old_model(nnx.Rngs(3))

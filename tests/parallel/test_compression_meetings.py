@@ -60,6 +60,7 @@ def test_compress_none_is_todays_meeting_bit_for_bit(cls, local_after):
     assert a.comm_state == () == b.comm_state
 
 
+@pytest.mark.slow
 def test_a_bf16_meeting_is_the_mean_within_bfloat16_rounding_of_the_outer_gradient():
     """Each outer gradient is rounded to bfloat16 (unit roundoff 2^-8), summed in float32 and the sum rounded once
     more: |bf16 mean - float32 mean| <= 2^-7 x max over replicas of |outer gradient|, plus float32's rounding of

@@ -47,6 +47,7 @@ def test_same_seed_and_batch_give_the_same_training_on_every_mesh(model):
                      params, reference_params)
 
 
+@pytest.mark.slow
 def test_initial_parameters_are_identical_on_every_mesh():
     reference = trainer_for("transformer", "1x1").params(trainer_for("transformer", "1x1").init(7))
     for mesh in ("2x4", "1x8"):

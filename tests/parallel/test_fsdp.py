@@ -42,6 +42,7 @@ def test_default_transformer_params_and_adam_state_are_split_over_fsdp_and_model
           f"{parameter_ways} (total {total:,})")
 
 
+@pytest.mark.slow
 def test_sync_step_all_gathers_fsdp_parameters():
     trainer = trainer_for("transformer", "fsdp=8")
     state = trainer.init(0)

@@ -203,6 +203,7 @@ class MlpClassifier(nn.Module):
         return nn.Dense(10, name="head")(MlpBlock(64)(x.reshape(x.shape[0], -1)))
 
 
+@pytest.mark.slow
 def test_a_path_rules_parameter_keeps_only_the_rules_placement_and_naming_fsdp_gives_both():
     """docs/library.md and docs/mesh-and-sharding.md, "Only the rule's placement", on data=2,fsdp=2,model=2."""
     only_model = linen_trainer(MlpClassifier(), "data=2,fsdp=2,model=2",
@@ -237,6 +238,7 @@ class SevenClasses(nn.Module):
         return nn.Dense(7, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(x)
 
 
+@pytest.mark.slow
 def test_fsdp_fallback_applies_whoever_wrote_the_rules_and_strict_restores_the_error():
     trainer = linen_trainer(SevenClasses(), "fsdp=2", rules=jaxpar.DEFAULT_RULES)
     assert specs(trainer.init(0))["Dense_1/kernel"] == P("fsdp", None)  # the 16 rows instead of the 7 classes

@@ -194,6 +194,7 @@ def test_two_processes_on_a_data_parallel_mesh_equal_one_process(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", [lambda: jaxpar.LocalSGD(period=2), lambda: jaxpar.SSP(staleness=1)])
+@pytest.mark.slow
 def test_explicit_strategies_on_several_cpu_processes_send_parameters_or_gradients_as_one_array(strategy,
                                                                                               monkeypatch):
     """Local SGD's meeting (the parameter average) and SSP's update (participants' gradients, metrics and count)

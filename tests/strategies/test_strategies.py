@@ -440,6 +440,7 @@ def test_every_strategy_returns_the_same_metric_keys_as_scalars(strategy):
     pytest.param(jaxpar.LocalSGD(period=2), "8", id="localsgd-8", marks=pytest.mark.slow),
     pytest.param(jaxpar.DiLoCo(period=3), "4x2", id="diloco-4", marks=pytest.mark.slow),
     pytest.param(jaxpar.LocalSGD(period=2), "2x4", id="localsgd-2")])
+@pytest.mark.slow
 def test_local_steps_average_per_replica_metrics_on_the_device_as_numpy_does(strategy, mesh, monkeypatch):
     """`trainer.step` under local SGD / DiLoCo reads nothing back (the host runs ahead; it used to read the [R]
     metrics every step) and its means are bit-identical to the host's numpy mean that `fit` reports."""

@@ -25,6 +25,7 @@ def data_all_reduces(strategy, accum):
             if op.kind == "all-reduce" and "data" in op.axes]
 
 
+@pytest.mark.slow
 def test_compiler_sync_all_reduces_each_microbatch_and_psum_once():
     params = (64 * 32 + 32 + 32 * 10 + 10) * 4  # the tiny MLP's gradient in float32: 9,640 bytes
     (once,) = data_all_reduces(jaxpar.Sync(), 1)

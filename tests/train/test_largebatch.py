@@ -131,6 +131,7 @@ def test_sync_batchnorm_equals_single_device_batchnorm_on_the_whole_batch():
     np.testing.assert_allclose(whole, logits_in_train_mode(single, single_factory, single.init(0), images), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_local_batchnorm_equals_batchnorm_run_separately_on_each_data_shard():
     images = batch_for("cnn", size=16)["image"]
     trainer, factory = cnn_trainer("2x4", bn_groups=2)

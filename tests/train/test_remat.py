@@ -112,6 +112,7 @@ def test_remat_works_under_local_sgd(model):
                 reference(model, "data=2", strategy=strategy))
 
 
+@pytest.mark.slow
 def test_full_remat_keeps_fewer_temporaries_and_does_more_flops():
     """Measured on this model (4 layers, d_model 64, seq_len 64, batch 16, 1 device): temporaries none 57.3 MB,
     full 17.4 MB (0.30x); FLOPs 0.573 G against 0.694 G (1.21x: the forward of the blocks once more)."""
