@@ -39,6 +39,8 @@ MATRIX = (512, 512)  # PowerSGD's matrix per device (same element count)
 class _LocalExchange:
     """`compression.Exchange`'s interface, sending nothing: what is timed is the codec's own work."""
 
+    algorithm, groups = "psum", None  # int8's two-shot layout: every leaf its own group, n equal shards
+
     def __init__(self, n: int):
         self.n = n
 
@@ -53,6 +55,9 @@ class _LocalExchange:
 
     def gather(self, tree):
         return jax.tree.map(lambda x: jnp.stack([x + jnp.asarray(i, x.dtype) for i in range(self.n)]), tree)
+
+    def scatter(self, tree):
+        return tree  # [n, ...]: row i stands for what device i sends this device (int8's all-to-all)
 
 
 def shape_of(codec) -> tuple:
@@ -73,6 +78,7 @@ def codec_seconds_measured(mesh, name: str, replicas: int, trips: int = 8, repea
     def build(k):
         def local(g):
             own, shared = codec.init([g])
+            own = jax.tree.leaves(own)  # what `mean` takes, as the trainer hands it (int8's two residuals in order)
 
             def trip(_, carry):
                 leaf, own, shared = carry
