@@ -82,6 +82,7 @@ def test_local_sgd_replicas_are_averaged_on_another_replica_count_and_said_once(
     assert np.isfinite(np.asarray(metrics["loss"])).all()  # a local step's loss: one per replica
 
 
+@pytest.mark.slow
 def test_ssp_restores_exactly_and_a_checkpoint_moves_between_strategies(tmp_path):
     trainer, state = trained("2x4", jaxpar.SSP(staleness=2, stragglers="1:2.0"), steps=4)
     checkpoints = Checkpointer(str(tmp_path))

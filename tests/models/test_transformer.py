@@ -189,6 +189,7 @@ def _numpy_llama_block(p, x):
     return x + (silu(h @ p["gate"]["kernel"]) * (h @ p["up"]["kernel"])) @ p["down"]["kernel"]
 
 
+@pytest.mark.slow
 def test_one_llama_block_matches_numpy_rmsnorm_rope_attention_and_swiglu():
     model = build(LLAMA, layers=2)
     block_def, stacked = nnx.split(model.blocks.layers, nnx.Param)
@@ -367,6 +368,7 @@ def test_a_checkpoint_of_the_unstacked_model_restores_into_the_stacked_gpt_model
     np.testing.assert_allclose(next_losses, old_next, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_unstacked_model_does_not_restore_into_the_llama_block(tmp_path):
     old_trainer = jaxpar.Trainer(model=old_model, loss_fn=models.lm_loss, optimizer=optax.adamw(1e-2),
                                  mesh=jaxpar.make_mesh("1x1"))

@@ -313,6 +313,7 @@ def test_compress_does_not_apply_to_ssp(capsys):  # (local SGD / DiLoCo: tests/p
     assert "--compress" in err and "sync" in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_residuals_restore_onto_another_replica_count_averaged(tmp_path):
     strategy = jaxpar.Sync(allreduce="psum", compress="int8")
     trainer = trainer_for("mlp", "8", strategy=strategy)

@@ -69,6 +69,7 @@ def test_powersgd_noef_is_the_rank_r_approximation_of_the_gradient_alone():
 
 
 @pytest.mark.parametrize("codec", ["int8:noef", "powersgd:2:noef"])
+@pytest.mark.slow
 def test_a_noef_sync_run_trains_without_residual_state_and_differs_from_error_feedback(codec):
     state, got = losses(trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum", compress=codec)))
     _, with_ef = losses(trainer_for("mlp", "8", strategy=jaxpar.Sync(allreduce="psum",

@@ -105,6 +105,7 @@ def test_pipelined_training_equals_the_unpipelined_stack_without_dropout(pipelin
     assert_same(train("data=2,stage=2,model=2", pipeline, rate=0.0), reference(4, 0.0))
 
 
+@pytest.mark.slow
 def test_without_dropout_the_microbatch_count_does_not_change_the_math():
     assert_same(reference(4, 0.0), reference(1, 0.0))
 

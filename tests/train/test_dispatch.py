@@ -27,6 +27,7 @@ def test_step_numbers_are_counted_on_the_host_without_reading_the_state(monkeypa
     assert first["sim_time"] == trainer.clock.time_after(trainer.num_replicas, 0)
 
 
+@pytest.mark.slow
 def test_a_restored_or_foreign_state_is_read_not_guessed():
     trainer = trainer_for("mlp", "2x4", strategy=jaxpar.SSP(1, horizon=8))
     batch = batch_for("mlp", 16)

@@ -75,6 +75,7 @@ def test_label_smoothing_matches_its_formula():
 
 
 @pytest.mark.parametrize("model, mesh, strategy", [("mlp", "2x4", None), ("mlp", "4x2", jaxpar.Sync("ring"))])
+@pytest.mark.slow
 def test_gradient_accumulation_gives_the_full_batch_update(model, mesh, strategy):
     results = []
     for accum in (1, 4):

@@ -100,6 +100,7 @@ def test_explicit_strategies_fold_the_replica_index_into_the_call_time_key(strat
     assert len({bytes(np.asarray(k)) for k in keys}) == 8
 
 
+@pytest.mark.slow
 def test_grad_accum_folds_the_microbatch_index():
     """Microbatch m (rows m, m + 4, ...) draws its masks from fold_in(step key, m): the accumulated step's loss is
     the mean of the four microbatch losses computed by hand with exactly those keys."""
