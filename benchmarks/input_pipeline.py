@@ -4,6 +4,7 @@ the digits MLP's steps/s fed by run.py's pipeline against the same trainer fed f
     python -m benchmarks.input_pipeline                                 # both parts
     python -m benchmarks.input_pipeline --part host --sizes 512,4096 --seconds 0.5
     python -m benchmarks.input_pipeline --part steps --rounds 5 --steps 100
+    python -m benchmarks.input_pipeline --part steps --model transformer --mesh 2x4 --batch-size 32 --steps 10
 
 Part `host` (no device work): for each source and global batch size, the milliseconds one call of `next` takes
 (median over as many calls as fit in --seconds, at least 2; the batch that computes a new epoch's order is
@@ -14,12 +15,14 @@ rarely the median: that cost, once per epoch, is its own column), built in the c
 Sources: `digits` (the training split, tiled to hold the largest batch: 22x its 1,497 examples for 32,768),
 `text` (run.py's
 corpus on disk, the first 8 MiB of the default corpus, windows of 129 bytes read with os.pread as a run reads
-them), `synthetic` (`SyntheticSource("image")` of 65,536 examples).
+them), `synthetic` (65,536 random digits-shaped examples in memory).
 
-Part `steps`: the trainer `run.py --model mlp --mesh 8 --batch-size 512` builds (`jaxpar.cli.build`), its
-`Trainer.fit` fed three ways in alternating rounds (--rounds rounds of --steps steps, the median steps/s):
+Part `steps`: the trainer `run.py --model M --mesh X --batch-size B` builds (`jaxpar.cli.build`; default
+`--model mlp --mesh 8 --batch-size 512`), its `Trainer.fit` fed four ways in alternating rounds (--rounds rounds of
+--steps steps, the median steps/s):
 - `device`: one global batch already placed on the devices, repeated (the overhead benchmark's jaxpar figure);
 - `run.py`: run.py's pipeline (`Batches` with 2 batches read ahead in a thread, `prefetch_to_device` of 2);
+- `inline`: `--read-ahead 0` (each batch built in the main thread) under the same device prefetch;
 - `old`: the old path (grain per example, in the main thread) under the same device prefetch.
 
 Part `workers` (how batches are built ahead): the consumer's milliseconds per `next` (median and mean of 200, with
@@ -73,7 +76,14 @@ def sources(largest: int) -> dict:
     digits = {k: np.concatenate([v] * copies) for k, v in train.items()} if copies > 1 else train
     text, _ = data.split_corpus(data.open_corpus(None, TEXT_BYTES), seq_len=SEQ_LEN)
     return {"digits": data.ArraySource(digits), "text": data.TextWindows(text, SEQ_LEN),
-            "synthetic": data.SyntheticSource("image", size=max(65536, largest))}
+            "synthetic": data.ArraySource(synthetic_images(max(65536, largest)))}
+
+
+def synthetic_images(size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random digits-shaped examples held in memory: float32 images [size, 8, 8, 1] and int32 labels [size]."""
+    rng = np.random.default_rng(seed)
+    return {"image": rng.random((size, 8, 8, 1), dtype=np.float32),
+            "label": rng.integers(0, 10, size, dtype=np.int32)}
 
 
 def time_per_batch(batches, seconds: float) -> float:
@@ -114,6 +124,11 @@ def host_part(args) -> list[dict]:
     return rows
 
 
+FEEDS = (("device", "device-resident batch"), ("run.py", "run.py: read ahead 2 + device prefetch"),
+         ("inline", "--read-ahead 0: built in the main thread + device prefetch"),
+         ("old", "old: grain per example, main thread"))
+
+
 def steps_part(args) -> list[dict]:
     import jaxpar
     from benchmarks import common
@@ -121,16 +136,16 @@ def steps_part(args) -> list[dict]:
     from jaxpar.cli.build import build
     from jaxpar.io import data
 
-    jaxpar.make_mesh("8")  # the 8 CPU devices, before JAX starts
-    config = Config(model="mlp", mesh="8", batch_size=args.batch_size).resolved().validate()
+    jaxpar.make_mesh(args.mesh)  # the CPU devices, before JAX starts
+    config = Config(model=args.model, mesh=args.mesh, batch_size=args.batch_size).resolved().validate()
     built = build(config)
-    trainer = built.trainer
+    trainer, source = built.trainer, built.train_batches.source
     state = trainer.init(config.seed)
-    resident = trainer.shard_batch(next(data.Batches(built.train_batches.source, args.batch_size, seed=1)))
+    resident = trainer.shard_batch(next(data.Batches(source, args.batch_size, seed=1)))
     feeds = {"device": itertools.repeat(resident),
              "run.py": data.prefetch_to_device(built.train_batches, trainer.shard_batch),
-             "old": data.prefetch_to_device(OldBatches(built.train_batches.source, args.batch_size, config.seed),
-                                            trainer.shard_batch)}
+             "inline": data.prefetch_to_device(data.Batches(source, args.batch_size, config.seed), trainer.shard_batch),
+             "old": data.prefetch_to_device(OldBatches(source, args.batch_size, config.seed), trainer.shard_batch)}
 
     def runner(feed):
         def run(n):
@@ -141,18 +156,17 @@ def steps_part(args) -> list[dict]:
     rates = common.alternating_rates({name: runner(feed) for name, feed in feeds.items()}, args.rounds, args.steps,
                                      runs=True)
     feeds["run.py"].close()
-    row = {"part": "steps", "model": "mlp", "mesh": "8", "batch": args.batch_size, "rounds": args.rounds,
+    row = {"part": "steps", "model": args.model, "mesh": args.mesh, "batch": args.batch_size, "rounds": args.rounds,
            "steps_per_round": args.steps, **{f"{k}_steps_per_sec": statistics.median(v) for k, v in rates.items()}}
-    row["run_py_over_device"] = row["run.py_steps_per_sec"] / row["device_steps_per_sec"]
-    row["old_over_device"] = row["old_steps_per_sec"] / row["device_steps_per_sec"]
+    for name in ("run.py", "inline", "old"):
+        row[f"{name.replace('.', '_')}_over_device"] = row[f"{name}_steps_per_sec"] / row["device_steps_per_sec"]
     row["round_ratios"] = [a / b for a, b in zip(rates["run.py"], rates["device"])]
-    print(f"\n| feed (mlp, mesh 8, global batch {args.batch_size}) | steps/s (median of {args.rounds}) | "
-          f"of device-resident |")
+    print(f"\n| feed ({args.model}, mesh {args.mesh}, global batch {args.batch_size}) | steps/s (median of "
+          f"{args.rounds}) | of device-resident |")
     print("|---|---|---|")
-    for name, label in (("device", "device-resident batch"), ("run.py", "run.py: read ahead + device prefetch"),
-                        ("old", "old: grain per example, main thread")):
+    for name, label in FEEDS:
         value = row[f"{name}_steps_per_sec"]
-        print(f"| {label} | {value:.1f} | {value / row['device_steps_per_sec']:.3f} |")
+        print(f"| {label} | {value:.2f} | {value / row['device_steps_per_sec']:.3f} |")
     print("run.py / device per round: " + ", ".join(f"{r:.3f}" for r in row["round_ratios"]))
     return [row]
 
@@ -222,6 +236,8 @@ def main():
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="global batch sizes, comma-separated")
     parser.add_argument("--seconds", type=float, default=1.0, help="time per measured (source, size, path)")
     parser.add_argument("--batch-size", type=int, default=512, help="part steps: run.py's --batch-size")
+    parser.add_argument("--model", default="mlp", help="part steps: run.py's --model")
+    parser.add_argument("--mesh", default="8", help="part steps: run.py's --mesh")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100, help="part steps: steps per round")
     args = parser.parse_args()
@@ -240,7 +256,7 @@ def summarize(rows):
     """The suite's summary cell (`python -m benchmarks`) from this script's JSON rows."""
     lines = [f"{r['source']} {r['batch']:,}: {r['new_ms']:.3f} ms (old {r['old_ms']:.2f})"
              for r in rows if r.get("part") == "host"]
-    lines += [f"mlp mesh 8 batch {r['batch']}: run.py {r['run.py_steps_per_sec']:.0f} steps/s = "
+    lines += [f"{r['model']} mesh {r['mesh']} batch {r['batch']}: run.py {r['run.py_steps_per_sec']:.0f} steps/s = "
               f"{r['run_py_over_device']:.2f}x device-resident ({r['device_steps_per_sec']:.0f}); old "
               f"{r['old_over_device']:.2f}x" for r in rows if r.get("part") == "steps"]
     return ["; ".join(lines)]

@@ -51,13 +51,13 @@ def datasets(config: Config, size_at, largest: int):
         # the corpus stays on disk: each process reads only the windows of its rows (bytes < 256 <= --vocab)
         train_tokens, val_tokens = data.split_corpus(data.open_corpus(config.data), seq_len=config.seq_len)
         train = data.text_batches(train_tokens, size_at, config.seq_len, config.seed, "training text",
-                                  largest_batch=largest, read_ahead=data.DEFAULT_READ_AHEAD)
+                                  largest_batch=largest, read_ahead=config.read_ahead)
         return train, data.TextWindows(val_tokens, config.seq_len)
     train_split, test_split = data.load_digits()
     for split in (train_split, test_split):
         models.check_labels(split, 10)
     train = data.array_batches(train_split, size_at, config.seed, "digits training split", largest_batch=largest,
-                               read_ahead=data.DEFAULT_READ_AHEAD)  # built in a background thread
+                               read_ahead=config.read_ahead)  # built in a background thread
     return train, data.ArraySource(test_split)
 
 

@@ -23,6 +23,7 @@ from jaxpar.cli.strategies import NAMES as STRATEGIES
 from jaxpar.cli.values import (DTYPES, OPTIMIZERS, at_least, channels_check, coordinator_check, not_empty, one_of,
                                parse_decay_steps, parse_profile, parses, rules_check, within)
 from jaxpar.cost.hardware import PROFILES, parse_hardware
+from jaxpar.io.batches import DEFAULT_READ_AHEAD
 from jaxpar.strategies.stragglers import parse_stragglers
 from jaxpar.parallel.collectives import ALLREDUCE_ALGORITHMS, check_allreduce
 from jaxpar.parallel.compression import parse_codec
@@ -152,6 +153,9 @@ class Config:
     steps: int = _run(300, "number of optimizer updates", check=_positive)
     seed: int = _run(0, "seed of initialisation, data order and dropout; same seed -> same run on any mesh",
                      check=within(lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)"))
+    read_ahead: int = _run(DEFAULT_READ_AHEAD, "global batches built ahead of the step in a background thread (0: "
+                           "each built in the step's own thread); the next 2 batches' host-to-device copies stay in "
+                           "flight either way", check=_count)
     log_every: int = _run(10, "print and log every K steps", check=_positive)
     metrics: str | None = _run(None, "write one JSON object per logged step (step, loss, ...) to this .jsonl file",
                                check=paths.metrics_check)

@@ -83,10 +83,12 @@ class CorpusPart:
         if length > block:
             return self[starts[:, None] + np.arange(length)]
         head = np.minimum(block - starts % block, length)  # bytes in the first block; the rest in the next one
-        tail = length - head
-        pieces = np.stack([self.split.corpus_positions(starts, self.held_out),
-                           self.split.corpus_positions(np.where(tail > 0, starts + head, starts), self.held_out)], 1)
-        counts = np.stack([head, tail], 1)
+        first = self.split.corpus_positions(starts, self.held_out)
+        second = self.split.corpus_positions(np.where(head < length, starts + head, starts), self.held_out)
+        head = np.where(second == first + head, length, head)  # the part's next block is the corpus's next: one run
+        if (head == length).all():
+            return self.corpus.runs(first, length).reshape(len(starts), length)
+        pieces, counts = np.stack([first, second], 1), np.stack([head, length - head], 1)
         keep = counts.ravel() > 0
         return self.corpus.runs(pieces.ravel()[keep], counts.ravel()[keep]).reshape(len(starts), length)
 

@@ -60,43 +60,66 @@ def block_bits(max_index: int) -> int:
     return max(bits + bits % 2, MIN_BLOCK_BITS)
 
 
-def _encrypt(values: np.ndarray, keys: list[int], word: int) -> np.ndarray:
-    """The cipher on blocks of 2 * `word` bits (values uint64); each half is a uint32 array (word <= 32: bits shifted
-    past 32 are above the word and masked off anyway)."""
-    mask = np.uint32((1 << word) - 1)
+def _halves_dtype(word: int):
+    return np.uint8 if word <= 8 else np.uint16 if word <= 16 else np.uint32
+
+
+def _encrypt_halves(left: np.ndarray, right: np.ndarray, keys: list[int], word: int):
+    """The cipher's rounds on the two halves of each block (unsigned arrays of at least `word` bits; bits shifted
+    past the word are masked off), in place; returns (left, right)."""
+    dtype = left.dtype.type
+    mask = dtype((1 << word) - 1)
 
     def rotl(x, r):
-        return ((x << np.uint32(r)) & mask) | (x >> np.uint32(word - r))
+        return ((x << dtype(r)) & mask) | (x >> dtype(word - r))
 
     def f(x):
         return (rotl(x, 1) & rotl(x, 8)) ^ rotl(x, 2)
 
-    left = ((values >> np.uint64(word)) & np.uint64(mask)).astype(np.uint32)
-    right = (values & np.uint64(mask)).astype(np.uint32)
     for k1, k2 in zip(keys[::2], keys[1::2]):
-        left ^= f(right) ^ np.uint32(k1 & int(mask))
-        right ^= f(left) ^ np.uint32(k2 & int(mask))
+        left ^= f(right) ^ dtype(k1 & int(mask))
+        right ^= f(left) ^ dtype(k2 & int(mask))
+    return left, right
+
+
+def _encrypt(values: np.ndarray, keys: list[int], word: int) -> np.ndarray:
+    """The cipher on blocks of 2 * `word` bits (values uint64), each half in the smallest unsigned type that holds
+    a word."""
+    dtype, mask = _halves_dtype(word), np.uint64((1 << word) - 1)
+    left, right = _encrypt_halves(((values >> np.uint64(word)) & mask).astype(dtype), (values & mask).astype(dtype),
+                                  keys, word)
     return (left.astype(np.uint64) << np.uint64(word)) | right
 
 
 def whole_permutation(n: int, seed: int) -> np.ndarray:
     """`permute(arange(n), n, seed)`, faster: the cipher once over its whole domain [0, 2**B), then cycle walking
-    by pointer jumping (each value's next value below n, found in log2(longest walk) passes over the domain rather
-    than one pass per step of the longest walk)."""
+    by pointer jumping: F sends a value below n to itself and any other value to its cipher image; squaring F
+    (F = F[F], one gather over the domain) until most walks have ended, then stepping the few left, takes a few
+    gathers rather than one pass per step of the longest walk."""
     if n <= 1:
         return np.zeros(n, np.int64)
     bits = block_bits(n - 1)
     if n > 2**bits or 2**bits < 4 * n:  # walking each value is as quick when the domain is not much above n
         return permute(np.arange(n), n, seed)  # (n > 2**bits: n - 1 a power of two of 16 bits or more)
-    target = _encrypt(np.arange(2**bits, dtype=np.uint64), round_keys(seed % 2**32), bits // 2)
-    target = target.astype(np.int32 if bits < 32 else np.int64)
-    done = target < n  # target[x] is the first value below n after x
-    pending = np.flatnonzero(~done)
-    while not done[:n].all():  # (values in cycles with no value below n never finish: only [:n] must)
-        hop = target[pending]
-        target[pending], done[pending] = target[hop], done[hop]
-        pending = pending[~done[pending]]
-    return target[:n]
+    word = bits // 2  # the whole domain's halves are every (high, low) pair: built directly in their small type
+    halves = np.arange(2**word, dtype=_halves_dtype(word))
+    left, right = _encrypt_halves(np.repeat(halves, 2**word), np.tile(halves, 2**word), round_keys(seed % 2**32), word)
+    target = (left.astype(np.int64) << word | right).astype(np.int32 if bits < 32 else np.int64)
+    jump = target.copy()
+    jump[:n] = np.arange(n)  # F: every value below n is a fixed point, any other goes to its cipher image
+    ends = target[:n].copy()  # each walk: its first cipher image, then F applied 1, 2, 4, ... times more
+    while True:  # (values in cycles with no value below n never end: no walk reaches them)
+        ends = jump[ends]
+        pending = np.flatnonzero(ends >= n)
+        if not pending.size:
+            return ends.astype(np.int64)
+        if 2 * pending.size < n:  # most walks have ended: step the rest alone rather than square F again
+            break
+        jump = jump[jump]
+    while pending.size:
+        ends[pending] = jump[ends[pending]]
+        pending = pending[ends[pending] >= n]
+    return ends.astype(np.int64)
 
 
 def permute(indices, n: int, seed: int) -> np.ndarray:

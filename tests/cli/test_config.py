@@ -215,6 +215,7 @@ def test_models_read_resolved_configs(monkeypatch):
     ({"torus": 0}, "--torus 0: must be an integer >= 1"),
     ({"mesh": "2x2x2x2"}, "--mesh '2x2x2x2': 4 axes given"),
     ({"eval_batches": -1}, "--eval-batches -1: must be an integer >= 0"),
+    ({"read_ahead": -1}, "--read-ahead -1: must be an integer >= 0"),
     ({"rules": {"mlp": 3}}, "rules {'mlp': 3}: must map logical axis names"),
     ({"rules": [("mlp",)]}, "rules [('mlp',)]: must map logical axis names"),
     ({"rules": [("mlp", 3)]}, "rules [('mlp', 3)]: must map"),

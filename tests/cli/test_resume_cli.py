@@ -1,5 +1,5 @@
 """run.py with checkpoints: a run killed with SIGKILL and resumed is bit-identical to one never interrupted (sync,
-local SGD killed between meetings, SSP killed mid-schedule); SIGTERM saves and exits 0; --resume's refusals.
+local SGD killed between meetings, SSP killed mid-schedule; batches read ahead or not, 2 or 3 ahead); SIGTERM saves and exits 0; --resume's refusals.
 
 The killed run is a real process; the uninterrupted and the resumed runs run in-process (`run.main`)."""
 
@@ -53,13 +53,14 @@ def wait_for(predicate, process, timeout=120):
 ], ids=["sync", "local_sgd", "ssp", "int8", "powersgd", "local_sgd-int8", "diloco-powersgd"])
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(strategy, tmp_path, capsys):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    # uninterrupted (and `--resume` on an empty folder starts fresh, saying so)
+    # uninterrupted, each batch built in the step's thread (and `--resume` on an empty folder starts fresh, saying so)
     code = run.main([*BASE, *strategy, "--steps", str(STEPS), "--checkpoint-dir", str(whole), "--resume",
-                     "--metrics", str(tmp_path / "whole.jsonl")])
+                     "--metrics", str(tmp_path / "whole.jsonl"), "--read-ahead", "0"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert f"jaxpar: note: --resume: no checkpoint in {whole} yet: starting fresh" in out
-    # killed with SIGKILL once the checkpoint of step 4 is complete (a later save may be half-written)
+    # killed with SIGKILL once the checkpoint of step 4 is complete (a later save may be half-written); it reads 2
+    # batches ahead (the default), and the resumed run 3: the read-ahead is free to change at a resume
     process = start([*BASE, *strategy, "--steps", "100000", "--checkpoint-dir", str(killed), "--checkpoint-every",
                      "4"])
     wait_for(lambda: (killed / "4").is_dir(), process)
@@ -68,7 +69,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(strategy, 
     saved = Checkpointer(str(killed)).steps()
     assert saved and saved[0] == 4, saved
     code = run.main([*BASE, *strategy, "--steps", str(STEPS), "--checkpoint-dir", str(killed), "--resume",
-                     "--metrics", str(tmp_path / "resumed.jsonl")])
+                     "--metrics", str(tmp_path / "resumed.jsonl"), "--read-ahead", "3"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert f"resumed at step {saved[-1]}" in out
