@@ -189,6 +189,30 @@ def test_a_corpus_reads_exactly_the_bytes_asked_for_across_files(tmp_path):
     assert len(corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=12).files) == 3  # stops at the cut
 
 
+def test_many_small_files_read_in_groups_under_the_open_file_budget(tmp_path, monkeypatch):
+    """40 files (some empty) with room for 8 open descriptors: runs of one length (windows), runs of mixed lengths
+    and runs that cross several files all equal the bytes in memory, each distinct byte read once, and never more
+    than 8 descriptors are open."""
+    monkeypatch.setattr(corpus_lib, "OPEN_FILES", 8)
+    rng = np.random.default_rng(3)
+    contents = [bytes(rng.integers(97, 123, int(rng.integers(0, 30)), dtype=np.uint8)) for _ in range(40)]
+    corpus = corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=1 << 20)
+    whole = np.frombuffer(b"".join(contents), np.uint8)
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(corpus_lib.os, "open", lambda *a: opened.append(a) or real_open(*a))
+    for lengths in (np.full(30, 17), rng.integers(1, 60, 30), np.r_[np.full(29, 5), 300]):
+        starts = rng.integers(0, len(whole) - lengths.max(), len(lengths))
+        before = corpus.bytes_read
+        got = corpus.runs(starts, lengths)
+        np.testing.assert_array_equal(got, np.concatenate([whole[a:a + n] for a, n in zip(starts, lengths)]))
+        distinct = np.unique(np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)]))
+        assert corpus.bytes_read - before == len(distinct)
+        assert (corpus._fds >= 0).sum() <= 8
+    assert corpus.read(0, len(whole)) == whole.tobytes()  # every file, in groups of at most 4
+    assert (corpus._fds >= 0).sum() <= 8 and len(opened) > 40
+
+
 def test_a_file_that_shrinks_or_goes_during_the_run_is_one_line(tmp_path):
     name, = _files(tmp_path, [b"x" * 100])
     corpus = data.open_corpus(name)
@@ -201,6 +225,9 @@ def test_a_file_that_shrinks_or_goes_during_the_run_is_one_line(tmp_path):
     os.remove(name)
     with pytest.raises(jaxpar.DataError, match=r"^--data '.*f0.txt': cannot read '.*f0.txt' \(No such file or "
                                                r"directory\)$"):
+        gone[np.array([0])]
+    os.mkdir(name)  # a folder in its place: it opens, and the read itself fails
+    with pytest.raises(jaxpar.DataError, match=r"^--data '.*f0.txt': cannot read '.*f0.txt' \(Is a directory\)$"):
         gone[np.array([0])]
 
 
