@@ -4,7 +4,8 @@ The emulation's semantics (`jaxpar.strategies.simulation`), in real time: worker
 server applies the set as one update unless that would push some in-flight gradient's staleness over the bound S
 (0 = BSP, every worker every update; inf = ASP, each arrival at once). A version is the number of updates applied.
 A delivering worker waits (its `push` does not return) until its delivery is applied, then starts again on the new
-version: a worker S versions ahead of the slowest blocks. Pushes carry (worker, seq): a seq the server has already
+version: a worker S versions ahead of the slowest blocks. Every worker counts as computing on the first version
+from the start, so a worker whose process is still starting bounds the others as a slow one does. Pushes carry (worker, seq): a seq the server has already
 taken is ignored (counted in `duplicates`), and a worker that rejoins continues at the seq after its last delivery.
 """
 
@@ -48,6 +49,10 @@ class ParameterServer:
             if restored is not None:
                 self._restore(restored)
                 self.resumed_at = self.version
+        # every worker starts computing on this version: an update waits for one that has not joined yet as for one
+        # that is slow (SSP(0) applies no update without every worker; a worker that dies before joining is dropped)
+        self.computing = set(range(spec.num_workers))
+        self.read_of = {w: self.version for w in self.computing}
         self._leaves = leaves_of(self.params)
         self._file = open(os.path.join(run_dir, "server.jsonl"), "a") if run_dir else None
         if run_dir:  # for an operator (and the tests): which process holds the parameters
