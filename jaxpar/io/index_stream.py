@@ -127,6 +127,8 @@ def permute(indices, n: int, seed: int) -> np.ndarray:
     indices = np.asarray(indices, np.int64)
     if n <= 1:
         return np.zeros_like(indices)
+    if 4 * n <= 2**block_bits(n - 1) <= 2**MIN_BLOCK_BITS:  # a tiny source: each walk is ~2**16 / n steps long
+        return whole_permutation(n, seed)[indices]
     keys, word = round_keys(seed % 2**32), block_bits(n - 1) // 2
     values = indices.ravel().astype(np.uint64)
     todo = np.arange(values.size)
