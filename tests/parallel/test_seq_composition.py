@@ -19,7 +19,8 @@ STRATEGY_ATOL, CODEC_ATOL = 1e-4, {"bf16": 1e-3, "int8": 5e-3}
 @pytest.mark.slow
 @pytest.mark.parametrize("name, make", [
     ("sync-ring-int8", lambda: jaxpar.Sync("ring", compress="int8")),
-    ("diloco-bf16",  # (local SGD's meeting with an outer optimizer and a codec: plain local SGD adds nothing) lambda: jaxpar.DiLoCo(period=2, compress="bf16")),
+    # (DiLoCo: local SGD's meeting with an outer optimizer and a codec; plain local SGD would add nothing)
+    ("diloco-bf16", lambda: jaxpar.DiLoCo(period=2, compress="bf16")),
     ("ssp", lambda: jaxpar.SSP(1, stragglers="1:2")),
     ("asp", lambda: jaxpar.ASP(stragglers="1:2"))])
 def test_every_strategy_is_unchanged_by_the_seq_split(name, make):
