@@ -255,23 +255,28 @@ def test_powersgd_on_a_replica_of_several_devices_equals_it_on_a_replica_of_one(
 
 
 def test_factor_layout_follows_the_matrix_rows_and_columns():
-    """P is cut like dimension 0; Q like dimension 1 when no later dimension is cut (its columns are then whole
-    blocks of the matrix (shape[0], the rest)), else whole; axes of size 1 cut nothing."""
+    """The matrix is (dimensions before k, the rest), k = `matrix_split`: P is cut like dimension 0 when no other
+    row dimension is cut, Q like dimension k when no later dimension is cut (its rows or columns are then whole
+    blocks of the matrix), else whole; axes of size 1 cut nothing."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxpar.parallel import partitioning as shd
 
     mesh = jaxpar.make_mesh("data=2,fsdp=2,model=2")
-    cases = [(P(None, "model"), 2, (1, 2), (P(None, None), P("model", None))),
-             (P("model", None), 2, (2, 1), (P("model", None), P(None, None))),
-             (P(("fsdp", "model"), None), 2, (4, 1), (P(("fsdp", "model"), None), P(None, None))),
-             (P("data", "fsdp"), 2, (1, 2), (P(None, None), P("fsdp", None))),  # data is not inside a replica
-             (P(None, "model", None), 3, (1, 2, 1), (P(None, None), P("model", None))),  # (d, heads, head_dim)
-             (P(None, None, None, "model"), 4, (1, 1, 1, 2), (P(None, None), P(None, None)))]  # a conv's cout
-    for spec, ndim, splits, specs in cases:
+    cases = [(P(None, "model"), 2, 1, (1, 2), (P(None, None), P("model", None))),
+             (P("model", None), 2, 1, (2, 1), (P("model", None), P(None, None))),
+             (P(("fsdp", "model"), None), 2, 1, (4, 1), (P(("fsdp", "model"), None), P(None, None))),
+             (P("data", "fsdp"), 2, 1, (1, 2), (P(None, None), P("fsdp", None))),  # data is not inside a replica
+             (P(None, "model", None), 3, 1, (1, 2, 1), (P(None, None), P("model", None))),  # (d, heads, head_dim)
+             (P(None, None, None, "model"), 4, 3, (1, 1, 1, 2), (P(None, None), P("model", None))),  # a conv's cout
+             (P("stage", None, "model"), 3, 2, (1, 1, 2), (P(None, None), P("model", None))),  # (layers, in, out)
+             (P(None, "model", None), 3, 2, (1, 2, 1), (P(None, None), P(None, None)))]  # a cut inside the rows
+    for spec, ndim, k, splits, specs in cases:
         sharding = NamedSharding(mesh, spec)
         assert shd.within_replica_splits(sharding, ndim) == splits, spec
-        assert shd.factor_specs(sharding, ndim) == specs, spec
+        assert shd.factor_specs(sharding, ndim, k) == specs, spec
     assert shd.factor_splits((1, 1, 1, 2)) == (1, 1) and shd.factor_splits((2, 4, 1)) == (2, 4)
+    assert shd.factor_splits((1, 1, 1, 2), 3) == (1, 2) and shd.factor_splits((2, 4, 1), 2) == (1, 1)
+    assert [cz.powersgd.matrix_split(s) for s in [(64, 128), (2, 64, 256), (3, 3, 8, 16), (128, 4, 32)]] == [1, 2, 3, 1]
     codec = cz.PowerSGD(4)
     # W (64 x 128) split by columns over 4: P whole 64 x 4, Q 32 x 4; a (128,) bias over 4: 32 floats
     assert codec.payload([(64, 128), (128,)], 2, [(1, 4), (4,)]) == {"all-reduce": 4 * (64 * 4 + 32),

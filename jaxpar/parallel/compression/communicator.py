@@ -46,7 +46,7 @@ class CompressedCommunicator(Communicator):
         own = [x[0] for x in own] if own else own
         n = lax.axis_size(axis_name)
         layout = None if shardings is None else [
-            (s, x.ndim) for s, x in zip(jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "spec")), leaves)]
+            (s, x.shape) for s, x in zip(jax.tree.leaves(shardings, is_leaf=lambda x: hasattr(x, "spec")), leaves)]
         exchange = Exchange(axis_name, self.name, self.torus_x, layout, groups)
         means, own, shared = self.codec.mean(leaves, own, state[SHARED], exchange, n, axis_name)
         new_own = jax.tree.unflatten(jax.tree.structure(state[OWN]), [x[None] for x in own]) if own else state[OWN]

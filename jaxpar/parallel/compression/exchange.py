@@ -8,6 +8,7 @@ from jax import lax
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.parallel.collectives.allreduce import all_to_all, allgather, allreduce_sum, pull, push
+from jaxpar.parallel.compression.powersgd import matrix_split
 
 
 class Exchange:
@@ -45,9 +46,9 @@ class Exchange:
             return None
         out = []
         for i, factor in parts:
-            sharding, ndim = self.shardings[i]
+            sharding, shape = self.shardings[i]
             out.append(shd.within_replica_specs(sharding) if factor is None else
-                       shd.factor_specs(sharding, ndim)[factor])
+                       shd.factor_specs(sharding, len(shape), matrix_split(shape))[factor])
         return out
 
     def gather(self, tree):

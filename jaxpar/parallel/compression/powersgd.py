@@ -1,5 +1,5 @@
 """PowerSGD:R (Vogels et al. 2019): error feedback; each gradient with ndim >= 2, viewed as a matrix
-(shape[0], prod(shape[1:])) = n x m with (n + m) R < n m, sends P = M Q (n x R, averaged), then Q = M^T orth(P)
+(prod(shape[:k]), prod(shape[k:])) = n x m (`matrix_split`: the k with the smallest factors) with (n + m) R < n m, sends P = M Q (n x R, averaged), then Q = M^T orth(P)
 (m x R, averaged); the mean is orth(P) Q^T and Q is kept for the next step (warm start). Other leaves are averaged
 uncompressed with the P round. `powersgd:R:noef`: without error feedback (no residual).
 
@@ -24,9 +24,19 @@ DEFAULT_WARMUP = 0  # the uncompressed exchanges `powersgd:R` starts with (docs/
 WARMUP_COUNT = "warmup_count"  # the shared state's exchange counter (only with a warm-up)
 
 
+def matrix_split(shape) -> int:
+    """Where PowerSGD cuts a parameter's dimensions into rows and columns: the k (1 <= k < ndim) that makes
+    (product of shape[:k]) + (product of shape[k:]) smallest, so the rank-R factors are smallest (the first such k).
+    A dense kernel (in, out): k = 1. Stacked layers (L, in, out): (L in, out), not (L, in out), which has only L
+    rows. A convolution (kh, kw, cin, cout): (kh kw cin, cout). Attention (d, heads, head_dim): (d, heads head_dim)."""
+    sizes = [math.prod(shape[:k]) + math.prod(shape[k:]) for k in range(1, len(shape))]
+    return 1 + sizes.index(min(sizes))
+
+
 def as_matrix_shape(shape) -> tuple[int, int]:
-    """The matrix PowerSGD sees: (shape[0], product of the other dimensions)."""
-    return shape[0], math.prod(shape[1:])
+    """The matrix PowerSGD sees: (product of shape[:k], product of shape[k:]), k = `matrix_split(shape)`."""
+    k = matrix_split(shape)
+    return math.prod(shape[:k]), math.prod(shape[k:])
 
 
 def orthogonalize(p):
@@ -126,7 +136,7 @@ class PowerSGD:
             cut = splits[k] if splits is not None else (1,) * len(s)
             if self.compresses(s):
                 rows, cols = as_matrix_shape(s)
-                row_pieces, col_pieces = shd.factor_splits(cut)
+                row_pieces, col_pieces = shd.factor_splits(cut, matrix_split(s))
                 first += 4 * rows // row_pieces * self.rank
                 second += 4 * cols // col_pieces * self.rank
             else:

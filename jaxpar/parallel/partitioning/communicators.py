@@ -54,16 +54,19 @@ def communicator_specs(state, param_shardings=None):
     return out
 
 
-def factor_splits(splits) -> tuple[int, int]:
-    """(P's row pieces, Q's row pieces) of PowerSGD's factors of a parameter viewed as the matrix (shape[0], the
-    rest), cut inside a replica like the matrix (`splits`: `within_replica_splits`): P like dimension 0; Q like
-    dimension 1 when no later dimension is cut (then each device's columns are one block), else whole."""
-    return splits[0], (splits[1] if len(splits) >= 2 and math.prod(splits[2:]) == 1 else 1)
+def factor_splits(splits, k: int = 1) -> tuple[int, int]:
+    """(P's row pieces, Q's row pieces) of PowerSGD's factors of a parameter viewed as the matrix (dimensions
+    before k, dimensions from k on) (`jaxpar.parallel.compression.powersgd.matrix_split`), cut inside a replica like
+    the matrix (`splits`: `within_replica_splits`): P like dimension 0 when no other row dimension is cut, Q like
+    dimension k when no later dimension is cut (then each device's rows, or columns, are one block), else whole."""
+    rows = splits[0] if math.prod(splits[1:k]) == 1 else 1
+    return rows, (splits[k] if len(splits) > k and math.prod(splits[k + 1:]) == 1 else 1)
 
 
-def factor_specs(sharding, ndim: int) -> tuple[P, P]:
-    """The within-replica specs of PowerSGD's P (n x R) and Q (m x R) for a parameter laid out by `sharding`, as
-    `factor_splits` cuts them: each device exchanges only its rows of each factor."""
+def factor_specs(sharding, ndim: int, k: int = 1) -> tuple[P, P]:
+    """The within-replica specs of PowerSGD's P (n x R) and Q (m x R) for a parameter of `ndim` dimensions laid out
+    by `sharding` and viewed as a matrix cut before dimension k, as `factor_splits` cuts them: each device exchanges
+    only its rows of each factor."""
     spec = tuple(within_replica_specs(sharding)) + (None,) * ndim
-    rows, cols = factor_splits(within_replica_splits(sharding, ndim))
-    return P(spec[0] if rows > 1 else None, None), P(spec[1] if cols > 1 else None, None)
+    rows, cols = factor_splits(within_replica_splits(sharding, ndim), k)
+    return P(spec[0] if rows > 1 else None, None), P(spec[k] if cols > 1 else None, None)
