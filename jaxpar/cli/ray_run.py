@@ -18,6 +18,7 @@ from jaxpar.cli import strategies
 from jaxpar.cli.batching import static_batch_sizes
 from jaxpar.cli.build import datasets, make_optimizer
 from jaxpar.errors import CheckpointError
+from jaxpar.io.metrics import EVAL_PREFIX
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.train.lr_schedules import batch_size_fn, lr_schedule
 
@@ -68,9 +69,9 @@ def train_on_ray(config) -> dict:
           f"{'s' * (devices > 1)} each (mesh {config.mesh}) and a parameter server; global batch "
           f"{config.batch_size} ({config.batch_size // workers} per worker); strategy {config.strategy}; "
           f"{config.steps} server updates", flush=True)
-    if config.eval_batches:
-        print("jaxpar: note: --runtime ray reports training loss only (no held-out evaluation yet); the final "
-              "parameters are the server's", flush=True)
+    if config.eval_every:
+        print(f"jaxpar: note: --eval-every {config.eval_every}: --runtime ray evaluates the server's final "
+              f"parameters only, at the end (the workers never hold one version all at once)", flush=True)
     last = {}
 
     def progress(p):  # versions per second since the last line (the first: since the first update's clock)
@@ -93,7 +94,12 @@ def train_on_ray(config) -> dict:
               progress_every=2.0)
     records = [{"step": r["version"], "loss": r["loss"], "wall_time": r["wall"], "staleness_mean": r["staleness_mean"],
                 "staleness_max": r["staleness_max"], "contributors": r["contributors"]} for r in out.records]
+    held = evaluate_final(config, optimizer, out.params) if config.eval_batches else {}
+    if held:
+        print(f"held-out at step {out.version}: " + "  ".join(f"{k} {v:.4g}" for k, v in held.items()), flush=True)
     written = [{**config.to_record(), "runtime_dir": out.run_dir}] + records
+    if held:
+        written.append({"step": out.version, **{EVAL_PREFIX + k: v for k, v in held.items()}})
     if config.metrics:
         with open(config.metrics, "w", encoding="utf-8") as handle:
             for record in written:
@@ -111,7 +117,26 @@ def train_on_ray(config) -> dict:
           f"{sum(out.restarts.values())}; records in {out.run_dir}", flush=True)
     return {"final_loss": records[-1]["loss"], "steps": out.version, "seconds": out.seconds,
             "steps_per_sec": out.version / max(out.seconds, 1e-9), "staleness_max": max(stale),
-            "restarts": sum(out.restarts.values())}
+            "restarts": sum(out.restarts.values()), **{EVAL_PREFIX + k: v for k, v in held.items()}}
+
+
+def evaluate_final(config, optimizer, params) -> dict[str, float]:
+    """The emulated run's held-out evaluation (`jaxpar.cli.training.evaluate`) of the server's final parameters, on
+    this process's devices (as many as the batch axes of a one-worker mesh need: one)."""
+    import jax
+    from flax import nnx
+
+    from jaxpar import Trainer
+    from jaxpar.cli.training import evaluate
+
+    trainer = Trainer(models.factory(config), models.loss_for(config), optimizer,
+                      mesh_lib.make_mesh("data=1", devices=jax.devices()[:1]), rules=config.rules)
+    state = trainer.init(config.seed)
+    values = nnx.State(state.params)
+    nnx.replace_by_pure_dict(values, params)
+    state = state._replace(params=jax.device_put(values, trainer.state_shardings.params))
+    held_out = datasets(config, batch_size_fn(config.batch_size, None), config.batch_size)[1]
+    return evaluate(trainer, state, held_out, config.batch_size, config)
 
 
 def _has_checkpoint(folder: str) -> bool:

@@ -52,7 +52,25 @@ def test_a_short_asp_run_on_ray_trains_and_writes_its_records(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert records[0]["runtime"] == "ray" and [r["step"] for r in records[1:]] == list(range(1, 9))
-    assert all("wall_time" in r and "staleness_max" in r for r in records[1:])
+    assert records[0]["runtime"] == "ray" and [r["step"] for r in records[1:]] == list(range(1, 9)) + [8]
+    assert all("wall_time" in r and "staleness_max" in r for r in records[1:-1])
     assert (tmp_path / "run-ray" / "worker-1.jsonl").exists() and "versions/s" in done.stdout
+    assert "held-out at step 8: accuracy" in done.stdout and "eval_loss" in records[-1]
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+@pytest.mark.slow
+def test_the_held_out_evaluation_of_a_sync_run_on_ray_is_the_emulated_runs(tmp_path, capsys):
+    """Sync through the server is BSP, sync SGD: the server's final parameters, evaluated on the held-out split at
+    the end, give the emulated sync run's held-out metrics (float32, different XLA programs)."""
+    common = ["--model", "mlp", "--mesh", "data=2", "--strategy", "sync", "--steps", "4", "--log-every", "1",
+              "--dropout", "0"]  # (on ray each worker draws its own dropout masks, emulated the global batch's)
+    results = {}
+    for runtime in ("emulated", "ray"):
+        assert run.main([*common, "--runtime", runtime, "--metrics", str(tmp_path / f"{runtime}.jsonl")]) == 0
+        records = [json.loads(line) for line in (tmp_path / f"{runtime}.jsonl").read_text().splitlines()]
+        results[runtime] = [r for r in records if "eval_loss" in r][-1]
+    assert results["ray"]["step"] == results["emulated"]["step"] == 4
+    assert abs(results["ray"]["eval_loss"] - results["emulated"]["eval_loss"]) < 1e-4
+    assert results["ray"]["eval_accuracy"] == results["emulated"]["eval_accuracy"]
+    assert "held-out at step 4: accuracy" in capsys.readouterr().out
