@@ -121,13 +121,13 @@ def train_on_ray(config) -> dict:
 
 
 def evaluate_final(config, optimizer, params) -> dict[str, float]:
-    """The emulated run's held-out evaluation (`jaxpar.cli.training.evaluate`) of the server's final parameters, on
+    """The emulated run's held-out evaluation (`jaxpar.cli.evaluation.evaluate`) of the server's final parameters, on
     this process's devices (as many as the batch axes of a one-worker mesh need: one)."""
     import jax
     from flax import nnx
 
     from jaxpar import Trainer
-    from jaxpar.cli.training import evaluate
+    from jaxpar.cli.evaluation import evaluate
 
     trainer = Trainer(models.factory(config), models.loss_for(config), optimizer,
                       mesh_lib.make_mesh("data=1", devices=jax.devices()[:1]), rules=config.rules)

@@ -15,6 +15,7 @@ import numpy as np
 import models
 from jaxpar.cli.build import Built, build
 from jaxpar.cli.config import Config
+from jaxpar.cli.evaluation import evaluate
 from jaxpar.cli.explaining import explain_run
 from jaxpar.cli.notes import built_notes, divergence_hint, planning_notes, run_notes
 from jaxpar.strategies import BN_LOCAL, BN_SYNC
@@ -268,25 +269,3 @@ def _fit(config, built, state, start, meta, checkpoints, stop, replica_check, sa
     summary.update(steps=config.steps - start, seconds=seconds, steps_per_sec=(config.steps - start) / seconds)
     summary.update({EVAL_PREFIX + k: v for k, v in held.items()})
     return summary
-
-
-def evaluate(trainer: Trainer, state, source, batch_size: int, config: Config) -> dict[str, float]:
-    """Mean eval-mode metrics on the held-out split, in a fixed order.
-
-    Digits (an array source): the whole test split in one batch, cut to a multiple of the batch axes' size (300 ->
-    296 on 8 devices). Text: the first `config.eval_batches` training-sized batches of validation windows (fewer
-    if the split is smaller); its perplexity too.
-    """
-    ways = trainer.batch_divisor
-    if isinstance(source, data.ArraySource) or len(source) < batch_size:
-        batch_size, count = len(source) // ways * ways, 1
-    else:
-        count = min(config.eval_batches, len(source) // batch_size)
-    batches = data.Batches(source, batch_size, seed=0, name="held-out split", shuffle=False, rows=trainer.local_rows)
-    totals: dict[str, float] = {}
-    for _ in range(count):
-        for k, v in jax.device_get(trainer.evaluate(state, next(batches))).items():
-            totals[k] = totals.get(k, 0.0) + float(v) / count
-    if models.spec(config.model).dataset == models.registry.TEXT and "loss" in totals:
-        totals["perplexity"] = math.exp(totals["loss"])
-    return totals
