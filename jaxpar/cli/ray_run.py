@@ -95,10 +95,9 @@ def train_on_ray(config) -> dict:
     records = [{"step": r["version"], "loss": r["loss"], "wall_time": r["wall"], "staleness_mean": r["staleness_mean"],
                 "staleness_max": r["staleness_max"], "contributors": r["contributors"]} for r in out.records]
     held = evaluate_final(config, optimizer, out.params) if config.eval_batches else {}
-    if held:
-        print(f"held-out at step {out.version}: " + "  ".join(f"{k} {v:.4g}" for k, v in held.items()), flush=True)
     written = [{**config.to_record(), "runtime_dir": out.run_dir}] + records
     if held:
+        print(f"held-out at step {out.version}: " + "  ".join(f"{k} {v:.4g}" for k, v in held.items()), flush=True)
         written.append({"step": out.version, **{EVAL_PREFIX + k: v for k, v in held.items()}})
     if config.metrics:
         with open(config.metrics, "w", encoding="utf-8") as handle:

@@ -4,9 +4,9 @@ of which a process reads just the byte ranges its windows need.
 The length and every file's place in the concatenation come from `os.stat` sizes, so the train / validation split
 and the byte offsets of any window are known before a byte is read. `Corpus[positions]` reads the distinct
 positions asked for, one positioned read (`os.pread`) per contiguous run (per file), mapped over the runs with no
-Python work per run, and counts the bytes it read (`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the training or the held-out part of a corpus under
-`BlockSplit`, the one place that says which blocks are held out; `jaxpar.io.data.split_text` applies the same rule
-to bytes in memory.
+Python work per run, and counts the bytes it read (`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the
+training or the held-out part of a corpus under `BlockSplit`, the one place that says which blocks are held out;
+`jaxpar.io.data.split_text` applies the same rule to bytes in memory.
 
     corpus = open_corpus("books/", max_bytes=1 << 30)     # stats the files, reads nothing
     train, held_out = split_corpus(corpus, seq_len=128)
@@ -16,6 +16,7 @@ to bytes in memory.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import os
 import resource
@@ -160,7 +161,7 @@ class Corpus:
         first = np.searchsorted(self.ends, starts, side="right")
         count = np.searchsorted(self.ends, stops - 1, side="right") - first + 1
         owner = np.repeat(np.arange(len(starts)), count)
-        files = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        files = np.repeat(first, count) + _ramps(count)
         file_starts = self.ends[files] - self.sizes[files]
         low, high = np.maximum(starts[owner], file_starts), np.minimum(stops[owner], self.ends[files])
         keep = high > low
@@ -240,11 +241,9 @@ class Corpus:
             rows = np.lib.stride_tricks.sliding_window_view(buffer, longest)[base].ravel()  # one strided gather
             short = np.flatnonzero(lengths < longest)  # then the few shorter runs' extra bytes are cut out
             extra = longest - lengths[short]
-            return np.delete(rows, np.repeat(short * longest + lengths[short], extra)
-                             + np.arange(int(extra.sum())) - np.repeat(np.cumsum(extra) - extra, extra))
+            return np.delete(rows, np.repeat(short * longest + lengths[short], extra) + _ramps(extra))
         buffer = buffer[:len(buffer) - longest]
-        ramp = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return buffer[np.repeat(base, lengths) + ramp]
+        return buffer[np.repeat(base, lengths) + _ramps(lengths)]
 
     def close(self) -> None:
         for fd in self._fds[self._fds >= 0].tolist():
@@ -252,10 +251,13 @@ class Corpus:
         self._fds[:] = -1
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):  # (at interpreter exit os may be gone; the descriptors close with it)
             self.close()
-        except Exception:  # (at interpreter exit os may already be gone; the descriptors close with the process)
-            pass
+
+
+def _ramps(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., counts[0] - 1, then 0, 1, ..., counts[1] - 1, ... (one ramp per count, concatenated)."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def open_corpus(path: str | None = None, max_bytes: int = DEFAULT_CORPUS_BYTES) -> Corpus:
