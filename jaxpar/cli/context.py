@@ -7,7 +7,6 @@ import models
 from jaxpar.errors import ConfigError
 from jaxpar.parallel import context as cp
 from jaxpar.parallel import mesh as mesh_lib
-from jaxpar.pipeline.config import ONE_F_ONE_B
 
 
 def context_of(config) -> cp.ContextParallel:
@@ -37,10 +36,6 @@ def check_context(config, ways: int | None) -> None:
         raise ConfigError(f"{seq}: --model {config.model} has no sequence to split (context parallelism needs a "
                           f"model whose attention calls jaxpar.attention, e.g. --model transformer); use a mesh "
                           f"without {mesh_lib.SEQ_AXIS}")
-    stages = dict(zip(mesh_lib.AXES, mesh_lib.parse_mesh_spec(config.mesh)))[mesh_lib.STAGE_AXIS]
-    if config.pipeline == ONE_F_ONE_B and stages not in (1, None):
-        raise ConfigError(f"--pipeline {ONE_F_ONE_B} with {seq}: 1F1B's split of the loss does not run a "
-                          f"{mesh_lib.SEQ_AXIS} axis yet; use --pipeline gpipe or circular with {mesh_lib.SEQ_AXIS}")
     settings = context_of(config)
     cp.check_length(config.seq_len, ways, settings.zigzag and settings.algorithm == cp.RING)
     cp.check_heads(config.heads, ways, settings.algorithm)

@@ -7,8 +7,15 @@ unstacked model, x grad_accum, which leaves b x E unchanged):
 - allgather: K and V all-gathered forward ((S-1) b each), their gradients reduce-scattered backward: 4 (S-1) b E;
 - ring: K and V ppermuted S-1 times forward and their gradients S-1 times backward: 4 (S-1) b E; zig-zag adds q, k
   and v re-laid (two half-block permutes each) and the output laid back, forward and backward: + 8 b E (a chunk
-  whose home is its own device is a permute to itself, counted as the compiled program holds it);
+  whose home is its own device is a permute to itself, counted as the compiled program holds it; on seq=2 each
+  device keeps its first chunk, so nothing is sent for it: + 4 b E);
 - ulysses: q, k, v and the output all-to-all'd forward, their gradients backward: 8 (S-1)/S b E.
+With a stage axis (`pipelined`; b is then a microbatch's block, as the stack's layers see it) a device runs its
+stage's E / (P R) layers per tick, on every tick, the bubble's included, and the backward recomputes each tick's
+forward (its traffic once more: 1.5x). GPipe and circular: 1.5 x T x E / (P R) x (R M + P - 1) ticks. 1F1B on a
+seq mesh runs a forward and a backward in each of its 2 (M + P - 1) half-steps (`jaxpar.pipeline.schedules._branch`):
+1.5 x T x E / P x 2 (M + P - 1). T is the line above for one layer. The part before the stack and the head run
+inside 1F1B's half-steps too, so the sequence shift of their tokens adds to 1F1B's measured bytes.
 The model's attention shapes are read by tracing the loss abstractly with `jaxpar.attention` recording its inputs.
 """
 from __future__ import annotations
@@ -58,10 +65,27 @@ def theory(algorithm: str, ways: int, block: float, runs: float, zigzag: bool) -
     if algorithm == cp.ALLGATHER:
         return 4 * (s - 1) * block * runs, "4 (S-1) b E (K, V all-gathered forward, reduce-scattered backward)"
     if algorithm == cp.RING:
-        extra = 8 * block * runs if zigzag else 0.0
+        relaid = 4 if s == 2 else 8  # on seq=2 every device keeps its own first chunk: half the re-layout moves
+        extra = relaid * block * runs if zigzag else 0.0
         return 4 * (s - 1) * block * runs + extra, "4 (S-1) b E (K, V permuted S-1 times each way)" + (
-            " + 8 b E (zig-zag re-layout of q, k, v and the output, both passes)" if zigzag else "")
+            f" + {relaid} b E (zig-zag re-layout of q, k, v and the output, both passes)" if zigzag else "")
     return 8 * (s - 1) / s * block * runs, "8 (S-1)/S b E (q, k, v and the output all-to-all'd, both passes)"
+
+
+def pipelined(pipeline, stages: int, per_layer: float, layers: int, what: str) -> tuple[float, str]:
+    """The seq traffic of one device of a `stages`-stage pipeline of `layers` layers, from `per_layer` (the line's
+    theory for one layer on a microbatch's block)."""
+    from jaxpar.pipeline.config import ONE_F_ONE_B
+
+    m, r = pipeline.microbatches, pipeline.rounds
+    if pipeline.schedule == ONE_F_ONE_B:
+        steps, how, per_tick = 2 * (m + stages - 1), f"2 (M + P - 1) = {2 * (m + stages - 1)} half-steps", "E / P"
+        runs = layers / stages
+    else:
+        steps, how, per_tick = pipeline.ticks(stages), f"R M + P - 1 = {pipeline.ticks(stages)} ticks", "E / (P R)"
+        runs = layers / (stages * r)
+    return 1.5 * per_layer * runs * steps, (f"[{what}] / E per layer on a microbatch's block b, x 1.5 (each tick's "
+                                            f"forward recomputed), x {per_tick} layers a tick, x {how}")
 
 
 def report(trainer, batch, ops) -> dict | None:
@@ -92,6 +116,9 @@ def report(trainer, batch, ops) -> dict | None:
     block = rows / mesh_lib.batch_ways(mesh) * length / ways * split_heads * head_dim * np.dtype(dtype).itemsize
     runs = len(shapes) * runs_per_call(trainer)
     out["theory"], out["what"] = theory(settings.algorithm, ways, block, runs, settings.balanced)
+    stages = mesh_lib.size(mesh, mesh_lib.STAGE_AXIS)
+    if stages > 1 and runs_per_call(trainer) > 1:
+        out["theory"], out["what"] = pipelined(trainer.pipeline, stages, out["theory"] / runs, runs, out["what"])
     out.update(block_bytes=block, runs=runs, shape=[rows, length, heads, head_dim])
     return out
 

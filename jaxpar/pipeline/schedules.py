@@ -78,6 +78,16 @@ def _pick(pred, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
+def _branch(uniform: bool, pred, true_fn, false_fn, *args):
+    """`lax.cond(pred, true_fn, false_fn, *args)`, or when `uniform` both branches run and `pred` picks: every
+    device then runs the same collectives in the same order. A collective over another axis inside a branch that
+    only some stages take (a seq axis's permutes, in the stack's attention or the sequence shift of the part before
+    it) waits for devices that never reach it: XLA's collective-permute joins every device of the program."""
+    if not uniform:
+        return lax.cond(pred, true_fn, false_fn, *args)
+    return _pick(pred, true_fn(*args), false_fn(*args))
+
+
 def gpipe(stage_fn: StageFn, params, xs: jax.Array, *, axis: str) -> jax.Array:
     """The last stage's output for every microbatch, `[M, ...]` (valid on the last stage, zeros elsewhere).
 
@@ -176,7 +186,7 @@ def circular_loss(stage_fn: Callable, first_fn: Callable, head_fn: Callable, par
 
 
 def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *, axis: str,
-                rows_axis: str | None = None, count: int | None = None):
+                rows_axis: str | None = None, count: int | None = None, uniform: bool = False):
     """(mean over microbatches of the loss, mean of the metrics, the gradient of that mean loss with respect to
     this stage's `params`, with respect to `head_params`, and with respect to `xs`).
 
@@ -191,7 +201,11 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
     `xs` may instead be a function `first(head_params, m) -> x` (the part of the model before the stack on
     microbatch m) with `count` microbatches: stage 0 then runs it in its forward half-step and pulls its backward's
     input gradient through it at once, adding to the gradients with respect to `head_params`; nothing of the size
-    of M microbatches is kept, and the gradient with respect to `xs` is returned as None."""
+    of M microbatches is kept, and the gradient with respect to `xs` is returned as None.
+
+    `uniform`: every stage runs both sides of each choice (forward and backward of a half-step, the head, the part
+    before the stack) and keeps the one its schedule picks (`_branch`), for stage functions with collectives over
+    another axis; a half-step then costs a forward and a backward, as a tick of GPipe's lockstep does."""
     stages, stage = lax.axis_size(axis), lax.axis_index(axis)
     shards = 1 if rows_axis is None else lax.axis_size(rows_axis)
     first = xs if callable(xs) else None
@@ -205,7 +219,7 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
     def forward(carry, m, valid):
         received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
         if first:
-            x = lax.cond(stage == 0, lambda: first(head_params, m).astype(zeros.dtype), lambda: received)
+            x = _branch(uniform, stage == 0, lambda: first(head_params, m).astype(zeros.dtype), lambda: received)
         else:
             x = jnp.where(stage == 0, xs[m], received)
         y = stage_fn(params, x, m)
@@ -220,7 +234,7 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
             return (jnp.zeros((), jnp.float32), no_metrics, jax.tree.map(jnp.zeros_like, head_params),
                     jnp.zeros_like(y))
 
-        value, aux, g_head, cotangent = lax.cond(last, head, idle, y)
+        value, aux, g_head, cotangent = _branch(uniform, last, head, idle, y)
         use = valid & last
         stash = jnp.where(valid, stash.at[m % stages].set(x), stash)
         pending = jnp.where(use, cotangent, pending)
@@ -240,7 +254,7 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
                 _, pull_x = jax.vjp(lambda h: first(h, m).astype(zeros.dtype), head_params)
                 return pull_x(x_grad)[0]
 
-            g_first = lax.cond(stage == 0, pull_first, lambda: jax.tree.map(jnp.zeros_like, head_params))
+            g_first = _branch(uniform, stage == 0, pull_first, lambda: jax.tree.map(jnp.zeros_like, head_params))
             head_grads = _pick(valid & (stage == 0), jax.tree.map(jnp.add, head_grads, g_first), head_grads)
         else:
             input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)
@@ -255,10 +269,11 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
         valid = (m >= 0) & (m < count)
         m = jnp.clip(m, 0, count - 1)
         with jax.named_scope(ALTERNATING):  # the cost analysis counts the mean of these branches
-            sent, kept = lax.cond(forward_tick, forward, backward, carry, m, valid)
+            sent, kept = _branch(uniform, forward_tick, forward, backward, carry, m, valid)
         # what a stage receives is what it needs next: after a forward half-step its left neighbour's activation
         # (it runs a forward next), after a backward its right neighbour's cotangent
-        return (lax.ppermute(sent, axis, _alternating_pairs(stages, parity)),) + kept
+        pairs = _alternating_pairs(stages, parity)  # none after odd half-steps with 2 stages: nothing is sent
+        return (lax.ppermute(sent, axis, pairs) if pairs else jnp.zeros_like(sent),) + kept
 
     def tick(carry, t):
         return half_step(half_step(carry, 2 * t, 0), 2 * t + 1, 1), None

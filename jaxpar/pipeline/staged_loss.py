@@ -71,7 +71,8 @@ def loss_and_grad(graphdef, loss_of, params, model_state, batch, key):
         def body(stack_p, other_p, state, batch, args, key, step_key):
             stage_fn, first, head = parts(stack_p, state, batch, args, key, step_key, rows_of(batch))
             loss, metrics, grads, other_grads, _ = one_f_one_b(
-                stage_fn, head, stack_p, other_p, first, axis=axis, rows_axis=rows_axis, count=count)
+                stage_fn, head, stack_p, other_p, first, axis=axis, rows_axis=rows_axis, count=count,
+                uniform=mesh_lib.seq_ways(mesh) > 1)
             return loss, metrics, grads, other_grads
 
         mapped = shd.over_stages(body, mesh, (split, whole, whole, batch_rows, whole, whole, whole),

@@ -111,10 +111,6 @@ def state_layout(model, loss_fn, optimizer, mesh, rules, strict: bool, strategy,
         raise ModelError(f"model: the factory returned {type(abstract).__name__}, not an nnx.Module; it must be "
                          f"rngs -> nnx.Module (a Linen module: wrap it with jaxpar.from_linen)")
     pipeline = pipeline or Pipeline()
-    if LayerRun(mesh, pipeline).splits_loss and mesh_lib.seq_ways(mesh) > 1:
-        raise ConfigError(f"pipeline {pipeline.schedule} on mesh {mesh_lib.shape_line(mesh)}: 1F1B's split of the "
-                          f"loss does not run a seq axis yet; use Pipeline('gpipe') or Pipeline('circular') with seq, "
-                          f"or 1F1B on a mesh without seq")
     bind(abstract, LayerRun(mesh, pipeline, remat))
     abstract.eval()
     eval_graphdef = split_model(abstract)[0]

@@ -21,8 +21,6 @@ TINY = ["--steps", "1", "--d-model", "32", "--d-ff", "64", "--layers", "1"]
                                                          "axis"),
     (["--mesh", "seq=8", "--seq-len", "4"], "only 4 positions, fewer than the 8 devices"),
     (["--mesh", "seq=4", "--model", "mlp"], "--model mlp has no sequence to split"),
-    (["--mesh", "stage=2,seq=2", "--layers", "2", "--pipeline", "1f1b"], "--pipeline 1f1b with --mesh stage=2,seq=2 "
-                                                                          "(seq=2): 1F1B's split of the loss"),
     (["--mesh", "seq=4", "--context-parallel", "tree"], "--context-parallel 'tree': choose one of allgather, ring, "
                                                         "ulysses"),
 ])

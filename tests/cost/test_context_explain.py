@@ -31,3 +31,20 @@ def test_seq_traffic_equals_theory(algorithm):
     assert variant["unexpected"] == 0
     text = "\n".join(context_traffic.lines(c))
     assert f"context parallel {algorithm} over seq=4" in text and "measured / theory" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, algorithm, kind", [("gpipe", "allgather", None), ("gpipe", "ring", None),
+                                                       ("1f1b", "ring", "collective-permute")])
+def test_pipelined_seq_traffic_equals_theory(schedule, algorithm, kind):
+    """On stage=2,seq=2 with 2 microbatches: a device's layers run on every tick (1F1B: both sides of every
+    half-step); 1F1B's part before the stack and head add their token shift, so only the algorithm's own kind is
+    compared there."""
+    trainer = jaxpar.Trainer(model=models.factory(CONFIG), loss_fn=models.LOSSES["transformer"],
+                             optimizer=optax.sgd(0.1), mesh=jaxpar.make_mesh("stage=2,seq=2"),
+                             context_parallel=algorithm, pipeline=jaxpar.Pipeline(schedule, 2))
+    variant = jaxpar.explain(trainer, {"tokens": np.zeros((8, 33), np.int32)})["variants"]["sync"]
+    c = variant["context"]
+    assert c["runs"] == 2 and "half-steps" in c["what"] if schedule == "1f1b" else "ticks" in c["what"]
+    assert (c["by_kind"][kind] if kind else c["bytes"]) == pytest.approx(c["theory"], rel=0.02)
+    assert variant["unexpected"] == 0

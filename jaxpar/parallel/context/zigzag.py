@@ -63,11 +63,16 @@ def _home(chunk: int, ways: int) -> int:
     return chunk if chunk < ways else 2 * ways - 1 - chunk
 
 
+def _send(x, axis: str, pairs):
+    """`ppermute` over `pairs`, or `x` itself when every device keeps its own (the first chunks on seq=2)."""
+    return x if all(a == b for a, b in pairs) else lax.ppermute(x, axis, pairs)
+
+
 def to_zigzag(x, axis: str, ways: int):
     """[B, 2c, ...] contiguous block (chunks 2i and 2i+1) -> this device's zig-zag block (chunks i and 2S-1-i)."""
     c = x.shape[1] // 2
-    first = lax.ppermute(x[:, :c], axis, [(i, _home(2 * i, ways)) for i in range(ways)])
-    second = lax.ppermute(x[:, c:], axis, [(i, _home(2 * i + 1, ways)) for i in range(ways)])
+    first = _send(x[:, :c], axis, [(i, _home(2 * i, ways)) for i in range(ways)])
+    second = _send(x[:, c:], axis, [(i, _home(2 * i + 1, ways)) for i in range(ways)])
     even = lax.axis_index(axis) % 2 == 0  # chunk i came as someone's first chunk when i is even
     return jnp.where(even, jnp.concatenate([first, second], 1), jnp.concatenate([second, first], 1))
 
@@ -78,8 +83,8 @@ def from_zigzag(x, axis: str, ways: int):
     even = lax.axis_index(axis) % 2 == 0
     first_chunk = jnp.where(even, x[:, :c], x[:, c:])  # the chunk that travelled as a first chunk
     second_chunk = jnp.where(even, x[:, c:], x[:, :c])
-    first = lax.ppermute(first_chunk, axis, [(_home(2 * i, ways), i) for i in range(ways)])
-    second = lax.ppermute(second_chunk, axis, [(_home(2 * i + 1, ways), i) for i in range(ways)])
+    first = _send(first_chunk, axis, [(_home(2 * i, ways), i) for i in range(ways)])
+    second = _send(second_chunk, axis, [(_home(2 * i + 1, ways), i) for i in range(ways)])
     return jnp.concatenate([first, second], 1)
 
 
