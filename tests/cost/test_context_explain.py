@@ -1,6 +1,7 @@
 """`jaxpar.explain` on a seq mesh: the bytes attention sends over seq in the compiled step equal theory within 2%
 (allgather 4 (S-1) b E, ring 4 (S-1) b E + 8 b E zig-zag, Ulysses 8 (S-1)/S b E), and the gradients' sum over seq
-equals 2 (S-1)/S x the gradient's bytes within 2%; nothing over seq is flagged unexpected."""
+equals 2 (S-1)/S x the gradient's bytes within 2%; nothing over seq is flagged unexpected. With stages, the theory
+counts every tick's layers and the backward's recompute (GPipe, 1F1B on stage=2,seq=2)."""
 
 import numpy as np
 import optax
@@ -34,8 +35,7 @@ def test_seq_traffic_equals_theory(algorithm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, algorithm, kind", [("gpipe", "allgather", None), ("gpipe", "ring", None),
-                                                       ("1f1b", "ring", "collective-permute")])
+@pytest.mark.parametrize("schedule, algorithm, kind", [("gpipe", "ring", None), ("1f1b", "ring", "collective-permute")])
 def test_pipelined_seq_traffic_equals_theory(schedule, algorithm, kind):
     """On stage=2,seq=2 with 2 microbatches: a device's layers run on every tick (1F1B: both sides of every
     half-step); 1F1B's part before the stack and head add their token shift, so only the algorithm's own kind is
@@ -45,6 +45,6 @@ def test_pipelined_seq_traffic_equals_theory(schedule, algorithm, kind):
                              context_parallel=algorithm, pipeline=jaxpar.Pipeline(schedule, 2))
     variant = jaxpar.explain(trainer, {"tokens": np.zeros((8, 33), np.int32)})["variants"]["sync"]
     c = variant["context"]
-    assert c["runs"] == 2 and "half-steps" in c["what"] if schedule == "1f1b" else "ticks" in c["what"]
+    assert c["runs"] == 2 and ("half-steps" if schedule == "1f1b" else "ticks") in c["what"]
     assert (c["by_kind"][kind] if kind else c["bytes"]) == pytest.approx(c["theory"], rel=0.02)
     assert variant["unexpected"] == 0
