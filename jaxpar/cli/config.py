@@ -207,6 +207,9 @@ class Config:
                                      default_text="a local Ray instance started for the run")
     max_restarts: int | None = _procs(None, "with --runtime ray: times Ray restarts a worker process that dies (it "
                                             "rejoins from the current parameters)", check=_count, default_text="0")
+    server_shards: int | None = _procs(None, "with --runtime ray: actors the parameter server's parameters and "
+                                             "optimizer are split over, by bytes (pushes and pulls go to each "
+                                             "directly)", check=_positive, default_text="1")
     coordinator: str | None = _procs(None, "HOST:PORT of process 0 (the same on every process); for a run over "
                                            "several processes / hosts; with --num-processes and --process-id",
                                      check=coordinator_check,

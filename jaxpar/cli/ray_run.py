@@ -62,6 +62,10 @@ def train_on_ray(config) -> dict:
         raise CheckpointError(config.checkpoint_dir, "holds no server checkpoint to resume (--resume required); "
                                                      "pass --resume to start fresh when there is none")
     shape, optimizer, strategy = _parts(config)
+    if (config.server_shards or 1) > 1:  # more shards than arrays: one line before Ray starts
+        from jaxpar.runtime.ray.shards import split_by_bytes
+
+        split_by_bytes(_sizes(config), config.server_shards)
     if config.explain:
         return explain_ray(config, shape, strategy)
     workers, devices = shape[0], math.prod(shape[1:])
@@ -90,7 +94,7 @@ def train_on_ray(config) -> dict:
               skip_nonfinite=config.on_nonfinite == "skip", rules=config.rules, ray_address=config.ray_address,
               max_restarts=config.max_restarts or 0, run_dir=run_dir, on_progress=progress,
               checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
-              resume=config.resume is not None,
+              resume=config.resume is not None, server_shards=config.server_shards or 1,
               progress_every=2.0)
     records = [{"step": r["version"], "loss": r["loss"], "wall_time": r["wall"], "staleness_mean": r["staleness_mean"],
                 "staleness_max": r["staleness_max"], "contributors": r["contributors"]} for r in out.records]
@@ -142,24 +146,33 @@ def _has_checkpoint(folder: str) -> bool:
     return os.path.isdir(folder) and any(name.isdigit() for name in os.listdir(folder))
 
 
+def _sizes(config) -> list[int]:
+    """Bytes of each parameter array of the configured model (traced abstractly)."""
+    import jax
+    from flax import nnx
+
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: models.factory(config)(nnx.Rngs(0)))
+    return [x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))]
+
+
 def explain_ray(config, shape, strategy) -> dict:
     """What a ray run would be: its workers and their devices, the bytes of each push and pull, and the
-    emulator's projection for the straggler profile (simulated time of this strategy against BSP)."""
+    emulator's projection for the straggler profile (simulated time of this strategy against BSP, on the real
+    server's terms: each push its own arrival; unit compute, free round trips)."""
     import jax
     from flax import nnx
 
     from jaxpar.runtime.ray.spec import server_rule
-    from jaxpar.strategies.simulation import simulate_ps
+    from jaxpar.strategies.simulation import simulate_server
 
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: models.factory(config)(nnx.Rngs(0)))
-    params = nnx.state(abstract, nnx.Param)
-    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    sizes = _sizes(config)
+    nbytes = sum(sizes)
     bound, period, _ = server_rule(strategy)
     workers, stragglers = shape[0], strategy.stragglers
     updates = min(config.steps, 10_000)
-    mine = simulate_ps(stragglers, workers, None if math.isinf(bound) else int(bound), updates)[-1].sim_time
-    bsp = simulate_ps(stragglers, workers, 0, updates)[-1].sim_time
+    mine = simulate_server(stragglers, workers, None if math.isinf(bound) else int(bound), updates)[-1].sim_time
+    bsp = simulate_server(stragglers, workers, 0, updates)[-1].sim_time
     lines = [f"runtime ray: {workers} workers (ReplicaWorker actors), each on mesh "
              f"{','.join(f'{a}={s}' for a, s in zip(mesh_lib.AXES, (1, *shape[1:])))} "
              f"({math.prod(shape[1:])} devices), and one ParameterServer",
@@ -167,6 +180,14 @@ def explain_ray(config, shape, strategy) -> dict:
              f"), each pull receives {nbytes:,} bytes of parameters (float32 numpy through Ray's object store)",
              f"emulator's projection for {updates} updates with stragglers '{stragglers.spec or 'none'}': simulated "
              f"time {mine:g} against {bsp:g} for BSP (ratio {mine / bsp:.3f})"]
+    shards = config.server_shards or 1
+    if shards > 1:
+        from jaxpar.runtime.ray.shards import split_by_bytes
+
+        held = [sum(sizes[i] for i in part) for part in split_by_bytes(sizes, shards)]
+        lines.insert(1, f"the server's parameters split over {shards} ParameterServerShard actors by bytes: "
+                        f"{', '.join(f'{b:,}' for b in held)} bytes; each push sends each shard its part and each "
+                        f"pull reads it back, so the largest moves {max(held):,} bytes per push and per pull")
     for line in lines:
         print(line)
     return {"explain": lines, "push_bytes": nbytes, "projected_ratio": mine / bsp}

@@ -11,7 +11,7 @@ from jaxpar.strategies import BN_LOCAL
 
 RUNTIMES = ("emulated", "ray")
 RAY = "ray"
-RAY_ONLY = ("ray_address", "max_restarts")  # options that apply only with --runtime ray
+RAY_ONLY = ("ray_address", "max_restarts", "server_shards")  # options that apply only with --runtime ray
 # options a ray run cannot honour -> the values that mean "not used"
 RAY_UNSUPPORTED = {"allreduce": (None,), "torus": (None,), "compress": (None, "none"), "local_after": (None, 0),
                    "hardware": (None,), "profile": (None,), "batch_ramp": (None,),

@@ -110,7 +110,8 @@ class _Rows:
             self._first = step
 
 
-def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None = 0, rounds=None, cost=None):
+def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None = 0, rounds=None, cost=None,
+             server: tuple[float, float] | None = None):
     """Every step of a run, lazily and in order, as `Update`s (see the module docstring).
 
     `rounds(u)` -> the step variants each replica runs for update u, the last of which carries the update
@@ -118,11 +119,20 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
     `StepCost` (default: `UNIT`, one unit of compute, free communication). Workers start on version 0 at
     t = 0; after an update, exactly the delivering workers start their next round, on the new version. The bound
     holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
+
+    `server` = (compute, round_trip): the real parameter server of `jaxpar.runtime.ray` instead of the emulation.
+    Each step costs `compute` seconds x the factor; arrivals reach the server one at a time (no two pushes of real
+    processes land at the same instant: replicas that tie in the emulation form one update, on the runtime each
+    its own), and a delivering replica starts again `round_trip` seconds after its update (the push, the update
+    and the pull of the new parameters), without stopping the others.
     """
     bound = _check_staleness(staleness_bound)
     check_int("num_replicas (the data-axis size)", num_replicas, 1)
     rounds = rounds or (lambda update: ("step",))
     cost = cost or (lambda variant: UNIT)
+    round_trip = 0.0
+    if server is not None:
+        cost, round_trip = (lambda variant: StepCost(compute=server[0])), server[1]
     rows = _Rows(stragglers, num_replicas)
     replicas = range(num_replicas)
     tolerance = TIME_TOLERANCE * cost(rounds(0)[-1]).compute
@@ -155,6 +165,8 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
             if computing[i] and finish[i] <= now + tolerance:
                 computing[i] = False
                 pending.append(i)
+                if server:  # one arrival at a time; a tie arrives next, at the same instant
+                    break
         # Checking only the oldest in-flight read is enough: it is the one the next update makes most stale.
         oldest = min((read[i] for i in replicas if computing[i]), default=None)
         if oldest is not None and version + 1 - oldest > bound:
@@ -175,7 +187,7 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
             if computing[i]:
                 finish[i] += comm  # the update's communication stops the world
         for i in pending:
-            begin(i, completed)
+            begin(i, completed + round_trip)
         pending = []
         rows.forget_before(min(done) - 1)
 
@@ -189,6 +201,18 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
     check_int("num_updates", num_updates, 0)
     check_update_count(num_updates)
     return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound), num_updates))
+
+
+def simulate_server(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None, num_updates: int,
+                    compute: float = 1.0, round_trip: float = 0.0) -> list[Update]:
+    """The first `num_updates` updates of the real parameter server (`simulate` with `server`): the emulator's
+    projection of a `--runtime ray` run whose steps take `compute` seconds and whose pushes `round_trip`."""
+    _check_staleness(staleness_bound)
+    check_int("num_replicas (the data-axis size)", num_replicas, 1)
+    check_int("num_updates", num_updates, 0)
+    check_update_count(num_updates)
+    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound, server=(compute, round_trip)),
+                                 num_updates))
 
 
 def check_update_count(num_updates: int) -> None:

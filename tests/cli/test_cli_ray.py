@@ -26,6 +26,10 @@ def test_ray_flags_are_checked_before_anything_starts(capsys, tmp_path):
     fails(ASP + ["--mesh", "-1"], capsys, "give every axis's size with --runtime ray")
     fails(["--model", "mlp", "--mesh", "data=2", "--ray-address", "x:1"], capsys,
           "--ray-address 'x:1': applies only with --runtime ray")
+    fails(["--model", "mlp", "--mesh", "data=2", "--server-shards", "2"], capsys,
+          "--server-shards 2: applies only with --runtime ray")
+    fails(ASP + ["--mesh", "data=2", "--server-shards", "40"], capsys,
+          "server_shards 40: the model has 4 parameter arrays, fewer than the shards to split them over")
     fails(ASP + ["--mesh", "data=2", "--hardware", "a100-nvlink"], capsys,
           "--hardware 'a100-nvlink': not supported with --runtime ray")
     fails(ASP + ["--mesh", "data=2", "--ray-address", "127.0.0.1:9"], capsys,
@@ -41,7 +45,9 @@ def test_explain_shows_workers_devices_and_bytes(capsys):
     assert run.main(ASP + ["--mesh", "data=2,model=2", "--explain", "--stragglers", "1:3.0"]) == 0
     out = capsys.readouterr().out
     assert "runtime ray: 2 workers (ReplicaWorker actors), each on mesh data=1,stage=1,fsdp=1,seq=1,model=2 (2 devices)" in out
-    assert "each push sends" in out and "emulator's projection" in out and "ratio 0.333" in out
+    assert "each push sends" in out and "emulator's projection" in out and "ratio 0.267" in out  # 5 pushes by t = 4; BSP 3 each
+    assert run.main(ASP + ["--mesh", "data=2", "--explain", "--server-shards", "2"]) == 0
+    assert "split over 2 ParameterServerShard actors by bytes" in capsys.readouterr().out
 
 
 @pytest.mark.slow

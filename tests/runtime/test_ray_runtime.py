@@ -52,9 +52,9 @@ def ray_instance():
     ray.shutdown()
 
 
-def emulated(strategy, global_batches):
-    trainer = jaxpar.Trainer(Tiny, loss, optax.sgd(0.05), jaxpar.make_mesh("data=2", devices=jax.devices()[:2]),
-                             strategy=strategy)
+def emulated(strategy, global_batches, optimizer=None):
+    trainer = jaxpar.Trainer(Tiny, loss, optimizer or optax.sgd(0.05),
+                             jaxpar.make_mesh("data=2", devices=jax.devices()[:2]), strategy=strategy)
     state = trainer.init(0)
     for batch in global_batches:
         state, _ = trainer.step(state, batch)
@@ -207,6 +207,7 @@ def test_the_server_waits_for_a_worker_that_has_not_joined_yet():
 
     async def scenario(strategy):
         server = ParameterServer(make_spec(Tiny, loss, optax.sgd(0.05), "data=2", strategy, batches, 3))
+        assert await server.ready() is None
         zeros = [np.zeros_like(x) for x in leaves_of(server.params)]
         version, _, seq, _ = await server.join(0)
         first = asyncio.ensure_future(server.push(0, seq, version, zeros, 1.0))
@@ -219,3 +220,35 @@ def test_the_server_waits_for_a_worker_that_has_not_joined_yet():
 
     assert asyncio.run(scenario(jaxpar.SSP(0))) == (0, 2)
     assert asyncio.run(scenario(jaxpar.ASP())) == (1, 1)  # ASP applies each arrival at once
+
+
+@pytest.mark.slow
+def test_the_server_split_over_two_shards_is_the_emulation_and_resumes_with_them(ray_instance, tmp_path):
+    """Two ParameterServerShard actors holding Adam's parameters and state by bytes: an ASP run's real schedule
+    replayed through the emulation gives its parameters; a sync run saved at version 4 and resumed to 8 equals
+    8 emulated sync steps; resuming with one server is one line."""
+    adam = optax.adam(0.01)
+    out = run(Tiny, loss, adam, "data=2", jaxpar.ASP(stragglers="1:3.0"), batches, 12, server_shards=2)
+    assert out.version == 12 and max(r["staleness_max"] for r in out.records) >= 1
+    assert_close(out.params, emulated(replay_strategy(out.schedule, 2), replay_batches(out.schedule, batches, 2),
+                                      adam))
+    folder = str(tmp_path / "server")
+    run(Tiny, loss, adam, "data=2", jaxpar.Sync(), batches, 4, checkpoint_dir=folder, checkpoint_every=2,
+        server_shards=2)
+    out = run(Tiny, loss, adam, "data=2", jaxpar.Sync(), batches, 8, checkpoint_dir=folder, checkpoint_every=2,
+              resume=True, server_shards=2)
+    assert out.resumed_at == 4 and out.version == 8
+    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(8)]
+    assert_close(out.params, emulated(jaxpar.Sync(), same, adam))
+    with pytest.raises(jaxpar.JaxparError, match=r"holds a server checkpoint of another layout than this run's "
+                                                 r"\(server_shards 1"):
+        run(Tiny, loss, adam, "data=2", jaxpar.Sync(), batches, 10, checkpoint_dir=folder, resume=True)
+
+
+@pytest.mark.slow
+def test_an_optimizer_that_couples_the_parameters_is_refused_with_shards(ray_instance, tmp_path):
+    clipped = optax.chain(optax.clip_by_global_norm(0.01), optax.sgd(0.05))
+    with pytest.raises(jaxpar.JaxparError, match=r"^server_shards 2: the server's optimizer does not update each "
+                                                 r"part of the parameters alone \(differs;") as error:
+        run(Tiny, loss, clipped, "data=2", jaxpar.ASP(), batches, 3, server_shards=2, run_dir=str(tmp_path / "r"))
+    assert "\n" not in str(error.value) and not (tmp_path / "r").exists()

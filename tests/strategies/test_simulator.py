@@ -9,7 +9,7 @@ import jaxpar
 from tests.helpers import clock_times
 from jaxpar.errors import ConfigError, cli_message
 from jaxpar.strategies import simulation, stragglers as stragglers_lib
-from jaxpar.strategies.simulation import simulate_ps
+from jaxpar.strategies.simulation import simulate_ps, simulate_server
 from jaxpar.strategies.stragglers import Stragglers, compute_times, parse_stragglers
 
 
@@ -187,6 +187,27 @@ def test_ssp_limits_over_random_profiles():
     # Deliberately NOT asserted: that a larger S never gives a later k-th update. Counter-examples exist even
     # without jitter (ASP merges simultaneous arrivals into one update, SSP's waits can spread them over several),
     # and with large jitter SSP can even be slower than BSP (test_larger_bound_can_be_later_per_update).
+
+
+def test_the_real_servers_projection_by_hand():
+    """`simulate_server`: the runtime's server, where no two pushes arrive together and a delivering worker starts
+    again a round trip after its update. 4 workers, worker 1 three times as slow, compute 1, round trip 0.5."""
+    profile = parse_stragglers("1:3.0")
+    # the three fast workers tie at t = 1 and are three updates (the emulation makes them one); they deliver
+    # again at 1 + 0.5 + 1 = 2.5, each on the version after its own update (2 stale); the slow one at t = 3
+    asp = simulate_server(profile, 4, None, 7, compute=1.0, round_trip=0.5)
+    assert times(asp) == [1.0, 1.0, 1.0, 2.5, 2.5, 2.5, 3.0]
+    assert [u.participants.tolist().index(True) for u in asp] == [0, 2, 3, 0, 2, 3, 1]
+    assert [int(u.staleness.max()) for u in asp] == [0, 1, 2, 2, 2, 2, 6]
+    assert times(simulate_ps(profile, 4, None, 2)) == [1.0, 2.0]
+    # BSP: every update waits for the slow worker (3) and its round trip (0.5)
+    bsp = simulate_server(profile, 4, 0, 3, compute=1.0, round_trip=0.5)
+    assert times(bsp) == [3.0, 6.5, 10.0] and all(u.participants.all() for u in bsp)
+    # no round trip, unit compute: the runtime's ASP makes 10 updates per 3 units (3 + 1/3 workers' rate), BSP 1
+    assert simulate_server(profile, 4, None, 200)[-1].sim_time == pytest.approx(60.0)
+    assert simulate_server(profile, 4, 0, 200)[-1].sim_time == 600.0
+    for bound in (1, 2, 5):
+        assert max(int(u.staleness.max()) for u in simulate_server(profile, 4, bound, 200)) == bound
 
 
 def test_larger_bound_can_be_later_per_update():

@@ -5,6 +5,7 @@ a Ray actor process (`ReplicaWorker`, its own Trainer on the other axes) and a `
 their gradients by the strategy's rule: the emulation's semantics (`jaxpar.strategies.stale`), in real time.
 
     server.py     the parameter server: versions, the staleness rule, (worker, seq) bookkeeping, records
+    shards.py     the server's parameters and optimizer split over shard actors by bytes (server_shards > 1)
     worker.py     a worker's loop: join, compute, straggle, push; its JSONL records
     compute.py    a worker's JAX side: gradients and local steps on its own mesh, numpy in and out
     schedule.py   the real schedule and its replay through the emulation

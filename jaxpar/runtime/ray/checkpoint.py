@@ -1,5 +1,6 @@
 """The parameter server's state saved with orbax every `every` versions (and at the end): parameters, optimizer
-state, version, and each worker's position in its data (its last delivered seq). `resume` restores the latest, so
+state, version, and each worker's position in its data (its last delivered seq); with server shards, each shard's
+optimizer state and their count. `resume` restores the latest, so
 a run whose server died continues at the saved version; its workers continue at the batch after their last
 delivery that the checkpoint holds."""
 
@@ -40,25 +41,30 @@ class ServerCheckpoint:
     def due(self, version: int, last: bool) -> bool:
         return last or version % self.every == 0
 
-    def _tree(self, server) -> dict:
-        import jax
+    @staticmethod
+    def tree(params: list, opt_leaves: list, version: int, delivered: dict, num_workers: int,
+             shards: int = 1) -> dict:
+        """What is saved: parameter and optimizer-state leaves (with server shards, the shards' optimizer states one
+        after another, and their count), the version and each worker's last delivered seq (-1: none)."""
+        positions = np.full(num_workers, -1, np.int64)
+        for worker, seq in delivered.items():
+            positions[worker] = seq
+        out = {"params": [np.asarray(x) for x in params], "opt_state": [np.asarray(x) for x in opt_leaves],
+               "version": np.asarray(version, np.int64), "delivered": positions}
+        if shards > 1:
+            out["shards"] = np.asarray(shards, np.int64)
+        return out
 
-        delivered = np.full(server.spec.num_workers, -1, np.int64)
-        for worker, seq in server.delivered.items():
-            delivered[worker] = seq
-        return {"params": [np.asarray(x) for x in jax.tree.leaves(jax.device_get(server.params))],
-                "opt_state": [np.asarray(x) for x in jax.tree.leaves(jax.device_get(server.opt_state))],
-                "version": np.asarray(server.version, np.int64), "delivered": delivered}
-
-    def save(self, server) -> None:
+    def save(self, tree: dict) -> None:
         import orbax.checkpoint as ocp
 
         manager = self.manager()
-        manager.save(server.version, args=ocp.args.StandardSave(self._tree(server)), force=True)
+        manager.save(int(tree["version"]), args=ocp.args.StandardSave(tree), force=True)
         manager.wait_until_finished()
 
-    def restore(self, server) -> dict | None:
-        """The latest saved state, or None (no checkpoint, or not resuming)."""
+    def restore(self, template: dict) -> dict | None:
+        """The latest saved state shaped like `template` (a `tree`), or None (no checkpoint, or not resuming); a
+        checkpoint of another layout (another number of server shards) is a CheckpointError."""
         if not self.resume or not os.path.isdir(self.directory):
             return None
         import orbax.checkpoint as ocp
@@ -67,4 +73,10 @@ class ServerCheckpoint:
         step = manager.latest_step()
         if step is None:
             return None
-        return manager.restore(step, args=ocp.args.StandardRestore(self._tree(server)))
+        shards = int(template.get("shards", 1))
+        try:
+            return manager.restore(step, args=ocp.args.StandardRestore(template))
+        except Exception:  # noqa: BLE001 - orbax's own error names trees, not the cause
+            raise CheckpointError(self.directory, f"holds a server checkpoint of another layout than this run's "
+                                                  f"(server_shards {shards}, or another model or optimizer); "
+                                                  f"resume with the run's own settings") from None

@@ -36,16 +36,18 @@ def run(model: Callable, loss_fn: Callable, optimizer, mesh, strategy, batches: 
         num_cpus: int | None = None, max_restarts: int = 0, run_dir: str | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 100, resume: bool = False,
         on_progress: Callable[[dict], Any] | None = None, progress_every: float = 1.0,
-        asynchronous_local: bool = True) -> RayRun:
+        asynchronous_local: bool = True, server_shards: int = 1) -> RayRun:
     """Trains on Ray: each index of `mesh`'s data axis is a worker process with its own Trainer on the other axes,
     and a parameter server applies their gradients by `strategy`'s rule (Sync: BSP; SSP(S); ASP; LocalSGD /
     DiLoCo: a change every H local steps, merged when it arrives). `batches(worker, num_workers, seq)` -> that
     worker's batch number `seq`; `steps` = server updates. Raises JaxparError for a bad argument, a worker whose
     model fails (its error as one line), or a server that dies. `checkpoint_dir`: the server's state saved with
     orbax every `checkpoint_every` versions; `resume` continues from the latest there. `asynchronous_local` False:
-    local SGD / DiLoCo's changes meet as in the emulation (every worker in every update)."""
+    local SGD / DiLoCo's changes meet as in the emulation (every worker in every update). `server_shards` > 1:
+    the server's parameters and optimizer split over that many actors by bytes (`jaxpar.runtime.ray.shards`)."""
     spec = make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps, seed=seed, grad_accum=grad_accum,
-                     skip_nonfinite=skip_nonfinite, rules=rules, asynchronous_local=asynchronous_local)
+                     skip_nonfinite=skip_nonfinite, rules=rules, asynchronous_local=asynchronous_local,
+                     server_shards=server_shards)
     checkpoint = None
     if checkpoint_dir:
         checkpoint = ServerCheckpoint(checkpoint_dir, checkpoint_every, resume)
@@ -82,7 +84,10 @@ def _run(spec, run_dir, checkpoint, ray_address, num_cpus, max_restarts, on_prog
         workers = [ray.remote(ReplicaWorker).options(**options).remote(spec, w, server, run_dir)
                    for w in range(spec.num_workers)]
         actors += workers
-        _prepare(ray, workers)
+        _prepare(ray, workers)  # first: a model that fails is said as the worker's error, not the server's death
+        problem = _call(ray, server.ready.remote(), "start")  # shards, a checkpoint to resume
+        if problem:
+            raise JaxparError(problem)
         try:
             restarts = _watch(ray, server, workers, max_restarts, on_progress, progress_every)
             return _call(ray, server.result.remote(), "result"), restarts
@@ -144,6 +149,8 @@ def _watch(ray, server, workers, max_restarts: int, on_progress, every: float) -
         if time.time() - last >= every:  # asked even without a reader: a dead server is noticed here
             last = time.time()
             progress = _call(ray, server.progress.remote(), "progress")
+            if progress.get("problem"):
+                raise JaxparError(progress["problem"])
             if on_progress is not None:
                 on_progress(progress)
     return restarts

@@ -37,6 +37,7 @@ class RunSpec:
     skip_nonfinite: bool = True
     rules: Any = None
     strategy_name: str = ""
+    server_shards: int = 1  # actors the server's parameters are split over, by bytes (`jaxpar.runtime.ray.shards`)
 
     @property
     def num_workers(self) -> int:
@@ -74,7 +75,8 @@ def server_rule(strategy) -> tuple[float, int, Any]:
 
 
 def make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps: int, *, seed: int = 0, grad_accum: int = 1,
-              skip_nonfinite: bool = True, rules=None, asynchronous_local: bool = True) -> RunSpec:
+              skip_nonfinite: bool = True, rules=None, asynchronous_local: bool = True,
+              server_shards: int = 1) -> RunSpec:
     """The checked RunSpec of `jaxpar.runtime.ray.run`'s arguments."""
     shape = mesh_lib.parse_mesh_spec(mesh) if isinstance(mesh, str) else tuple(mesh)
     if len(shape) != len(mesh_lib.AXES) or any(not isinstance(s, int) or s < 1 for s in shape):
@@ -83,6 +85,9 @@ def make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps: int, *,
     if shape[0] < 2:
         raise MeshError(f"mesh {mesh!r}: the data axis is {shape[0]}, so there is one worker and nothing to run "
                         f"asynchronously; use data=2 or more (each index of the data axis is one worker process)")
+    if isinstance(server_shards, bool) or not isinstance(server_shards, int) or server_shards < 1:
+        raise ConfigError(f"server_shards {server_shards!r}: the number of actors the server's parameters are split "
+                          f"over; use 1 (one server) or more")
     if not callable(batches):
         raise ConfigError(f"batches {batches!r}: pass a function (worker, num_workers, seq) -> batch dict")
     bound, period, outer = server_rule(strategy)
@@ -90,4 +95,4 @@ def make_spec(model, loss_fn, optimizer, mesh, strategy, batches, steps: int, *,
         bound = math.inf  # asynchronous local SGD (Liu et al. 2024): a change is merged when it arrives
     return RunSpec(model, loss_fn, optimizer, shape, batches, steps, bound, period, outer,
                    getattr(strategy, "stragglers", None) or Stragglers(), seed, grad_accum, skip_nonfinite, rules,
-                   strategy.name)
+                   strategy.name, server_shards)

@@ -2,7 +2,8 @@
 
 Its loop: join the server (the current version and parameters, and the batch number to continue at), then compute
 (a gradient, or H local steps and their change), sleep the straggler profile's extra time, push, and continue from
-the parameters the push returns, until the server says stop. Each push appends one JSONL record to
+the parameters the push returns, until the server says stop. With server shards, each push goes as one part per
+shard straight to the shard actors, and the parameters come back from them. Each push appends one JSONL record to
 `worker-<i>.jsonl` in the run folder: wall time, version read, staleness at apply, compute, sleep and wait seconds.
 A failure inside the worker (the user's model or loss) comes back as one line, not a Ray traceback.
 """
@@ -23,6 +24,17 @@ def one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     first = text[0] if text else ""
     return first if isinstance(error, JaxparError) else f"{type(error).__name__}: {first}".rstrip(": ")
+
+
+def _whole(ray, leaves, split):
+    """The parameter leaves from the server's answer: as they are, or from one reference per shard."""
+    if split is None or leaves is None:  # None: the run stopped (a shard died)
+        return leaves
+    out = [None] * sum(len(part) for part in split)
+    for part, values in zip(split, ray.get(leaves)):
+        for i, x in zip(part, values):
+            out[i] = x
+    return out
 
 
 class ReplicaWorker:
@@ -72,7 +84,15 @@ class ReplicaWorker:
 
         spec, worker = self.spec, self.worker
         self._prepare()
+        shards = ray.get(self.server.shards.remote())
+        split = None
+        if shards:
+            from jaxpar.runtime.ray.compute import leaves_of
+            from jaxpar.runtime.ray.shards import leaf_bytes, split_by_bytes
+
+            split = split_by_bytes(leaf_bytes(leaves_of(self.compute.state.params)), len(shards))
         version, leaves, seq, stop = ray.get(self.server.join.remote(worker))
+        leaves = _whole(ray, leaves, split)
         factor = float(spec.stragglers.factors(spec.num_workers)[worker])
         rng = np.random.default_rng([spec.stragglers.seed, worker, seq])
         log = open(os.path.join(self.run_dir, f"worker-{worker}.jsonl"), "a") if self.run_dir else None
@@ -90,7 +110,14 @@ class ReplicaWorker:
             sleep = max(0.0, (slow - 1.0) * compute)
             time.sleep(sleep)
             pushed = time.time()
-            new_version, leaves, staleness, stop = ray.get(self.server.push.remote(worker, seq, version, out, loss))
+            if split is None:
+                sent, finite = out, True  # the server checks the sum itself
+            else:  # each shard its part; the server hears (worker, seq)
+                sent = [shard.stage.remote((worker, seq), [out[i] for i in part]) for shard, part in zip(shards, split)]
+                finite = bool(all(np.isfinite(x).all() for x in out))
+            new_version, leaves, staleness, stop = ray.get(self.server.push.remote(worker, seq, version, sent, loss,
+                                                                                   finite))
+            leaves = _whole(ray, leaves, split)
             wait = time.time() - pushed
             if log is not None:
                 log.write(json.dumps({"worker": worker, "seq": seq, "wall": pushed, "version_read": version,
