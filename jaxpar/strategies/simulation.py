@@ -111,7 +111,7 @@ class _Rows:
 
 
 def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None = 0, rounds=None, cost=None,
-             server: tuple[float, float] | None = None):
+             server: tuple[float, float, float] | None = None):
     """Every step of a run, lazily and in order, as `Update`s (see the module docstring).
 
     `rounds(u)` -> the step variants each replica runs for update u, the last of which carries the update
@@ -120,19 +120,20 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
     t = 0; after an update, exactly the delivering workers start their next round, on the new version. The bound
     holds for delivered gradients too: each was in flight at every earlier update, so V - read <= S.
 
-    `server` = (compute, round_trip): the real parameter server of `jaxpar.runtime.ray` instead of the emulation.
-    Each step costs `compute` seconds x the factor; arrivals reach the server one at a time (no two pushes of real
-    processes land at the same instant: replicas that tie in the emulation form one update, on the runtime each
-    its own), and a delivering replica starts again `round_trip` seconds after its update (the push, the update
-    and the pull of the new parameters), without stopping the others.
+    `server` = (compute, round_trip, service): the real parameter server of `jaxpar.runtime.ray` instead of the
+    emulation. Each step costs `compute` seconds x the factor; arrivals reach the server one at a time (no two pushes
+    of real processes land at the same instant: replicas that tie in the emulation form one update, on the runtime
+    each its own); the one server process applies one update at a time, each taking `service` seconds (an arrival
+    while it is busy waits its turn); and a delivering replica starts again `round_trip` seconds after its update
+    is applied (sending the push and reading the new parameters), without stopping the others.
     """
     bound = _check_staleness(staleness_bound)
     check_int("num_replicas (the data-axis size)", num_replicas, 1)
     rounds = rounds or (lambda update: ("step",))
     cost = cost or (lambda variant: UNIT)
-    round_trip = 0.0
+    round_trip, service, free = 0.0, 0.0, 0.0  # free: when the real server is done with its last update
     if server is not None:
-        cost, round_trip = (lambda variant: StepCost(compute=server[0])), server[1]
+        cost, round_trip, service = (lambda variant: StepCost(compute=server[0])), server[1], server[2]
     rows = _Rows(stragglers, num_replicas)
     replicas = range(num_replicas)
     tolerance = TIME_TOLERANCE * cost(rounds(0)[-1]).compute
@@ -180,7 +181,8 @@ def simulate(stragglers: Stragglers, num_replicas: int, staleness_bound: int | N
         staleness = np.zeros(num_replicas, np.int64)
         participants[pending] = True
         staleness[pending] = [version - read[i] for i in pending]
-        completed = now + comm
+        completed = max(now, free) + service + comm
+        free = completed
         yield Update(participants, staleness, float(completed))
         version += 1
         for i in replicas:
@@ -204,14 +206,15 @@ def simulate_ps(stragglers: Stragglers, num_replicas: int, staleness_bound: int 
 
 
 def simulate_server(stragglers: Stragglers, num_replicas: int, staleness_bound: int | None, num_updates: int,
-                    compute: float = 1.0, round_trip: float = 0.0) -> list[Update]:
+                    compute: float = 1.0, round_trip: float = 0.0, service: float = 0.0) -> list[Update]:
     """The first `num_updates` updates of the real parameter server (`simulate` with `server`): the emulator's
-    projection of a `--runtime ray` run whose steps take `compute` seconds and whose pushes `round_trip`."""
+    projection of a `--runtime ray` run whose steps take `compute` seconds, whose server applies an update in
+    `service` seconds, and whose pushes and pulls add `round_trip`."""
     _check_staleness(staleness_bound)
     check_int("num_replicas (the data-axis size)", num_replicas, 1)
     check_int("num_updates", num_updates, 0)
     check_update_count(num_updates)
-    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound, server=(compute, round_trip)),
+    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound, server=(compute, round_trip, service)),
                                  num_updates))
 
 

@@ -208,6 +208,11 @@ def test_the_real_servers_projection_by_hand():
     assert simulate_server(profile, 4, 0, 200)[-1].sim_time == 600.0
     for bound in (1, 2, 5):
         assert max(int(u.staleness.max()) for u in simulate_server(profile, 4, bound, 200)) == bound
+    # one server process, 0.5 per update: the fast three queue at t = 1 (done 1.5, 2, 2.5); each computes again
+    # from its update; worker 1 arrives at t = 3 with worker 2 and goes first (the lower index on a tie)
+    busy = simulate_server(profile, 4, None, 6, compute=1.0, service=0.5)
+    assert times(busy) == [1.5, 2.0, 2.5, 3.0, 3.5, 4.0]
+    assert [u.participants.tolist().index(True) for u in busy] == [0, 2, 3, 0, 1, 2]
 
 
 def test_larger_bound_can_be_later_per_update():

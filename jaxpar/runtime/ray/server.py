@@ -182,6 +182,7 @@ class ParameterServer:
     def _apply_pending(self) -> None:
         """Forms the next version from the pending pushes; applied here (one server) or by every shard in version
         order, after which the pushing workers get the new parameters."""
+        began = time.time()
         pending, self.pending = self.pending, []
         count = len(pending) if self.spec.period == 1 else self.spec.num_workers  # a change counts 1/R
         losses = [p[2] for p in pending]
@@ -201,7 +202,7 @@ class ParameterServer:
         self.schedule.append(deliveries)
         self._record({"version": self.version, "wall": time.time() - self.started, "loss": float(np.mean(losses)),
                       "staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale)),
-                      "contributors": len(pending), "skipped": float(not ok),
+                      "contributors": len(pending), "skipped": float(not ok), "apply_s": time.time() - began,
                       "deliveries": [list(d) for d in deliveries]})
         self.stop = self.version >= self.spec.steps
         version, stop = self.version, self.stop
