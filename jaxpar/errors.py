@@ -81,6 +81,16 @@ class OptionError(ConfigError):
         shown = self.value if isinstance(self.value, (int, float)) else repr(self.value)
         return f"{self.flag} {shown}: {_named(self.why, True)}"
 
+    def __reduce__(self):  # pickled whole (a Ray actor hands one to the driver), whatever the subclass's __init__
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls, args, state):
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 def _named(text: str, as_flags: bool) -> str:
     """`{option_name}` -> `--option-name` (flags) or `option_name`; any other text, braces included, unchanged."""

@@ -214,8 +214,8 @@ def simulate_server(stragglers: Stragglers, num_replicas: int, staleness_bound: 
     check_int("num_replicas (the data-axis size)", num_replicas, 1)
     check_int("num_updates", num_updates, 0)
     check_update_count(num_updates)
-    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound, server=(compute, round_trip, service)),
-                                 num_updates))
+    server = (compute, round_trip, service)
+    return list(itertools.islice(simulate(stragglers, num_replicas, staleness_bound, server=server), num_updates))
 
 
 def check_update_count(num_updates: int) -> None:

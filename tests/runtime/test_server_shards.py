@@ -31,3 +31,14 @@ def test_the_optimizer_check(optimizer, separable):
     leaves = [np.ones((3, 4), np.float32), np.zeros(4, np.float32), np.full((4, 2), 0.5, np.float32)]
     problem = check_separable(optimizer, leaves, split_by_bytes([48, 16, 32], 2))
     assert (problem is None) == separable
+
+
+def test_an_option_error_pickles_whole():
+    """The server hands a CheckpointError to the driver through Ray (pickled): its flag form survives."""
+    import pickle
+
+    from jaxpar.errors import CheckpointError, cli_message
+
+    error = pickle.loads(pickle.dumps(CheckpointError("ckpt", "holds another layout ({server_shards} 2)")))
+    assert type(error) is CheckpointError and str(error) == "checkpoint_dir='ckpt': holds another layout (server_shards 2)"
+    assert cli_message(error) == "--checkpoint-dir 'ckpt': holds another layout (--server-shards 2)"

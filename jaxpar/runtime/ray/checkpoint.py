@@ -74,9 +74,16 @@ class ServerCheckpoint:
         if step is None:
             return None
         shards = int(template.get("shards", 1))
+        wrong = CheckpointError(self.directory, f"holds a server checkpoint of another layout than this run's "
+                                                f"({{server_shards}} {shards}, or another model or optimizer), or "
+                                                f"one that cannot be read; resume with the run's own settings")
         try:
-            return manager.restore(step, args=ocp.args.StandardRestore(template))
+            restored = manager.restore(step, args=ocp.args.StandardRestore(template))
         except Exception:  # noqa: BLE001 - orbax's own error names trees, not the cause
-            raise CheckpointError(self.directory, f"holds a server checkpoint of another layout than this run's "
-                                                  f"(server_shards {shards}, or another model or optimizer); "
-                                                  f"resume with the run's own settings") from None
+            raise wrong from None
+        same = int(np.asarray(restored.get("shards", 1))) == shards and all(
+            np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(b).dtype
+            for a, b in zip(restored["params"] + restored["opt_state"], template["params"] + template["opt_state"]))
+        if not same:
+            raise wrong
+        return restored

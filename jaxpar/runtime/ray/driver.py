@@ -86,11 +86,14 @@ def _run(spec, run_dir, checkpoint, ray_address, num_cpus, max_restarts, on_prog
         actors += workers
         _prepare(ray, workers)  # first: a model that fails is said as the worker's error, not the server's death
         problem = _call(ray, server.ready.remote(), "start")  # shards, a checkpoint to resume
-        if problem:
-            raise JaxparError(problem)
+        if problem is not None:
+            raise problem
         try:
             restarts = _watch(ray, server, workers, max_restarts, on_progress, progress_every)
-            return _call(ray, server.result.remote(), "result"), restarts
+            out = _call(ray, server.result.remote(), "result")
+            if "problem" in out:  # a shard failed after the last look at the progress
+                raise JaxparError(out["problem"])
+            return out, restarts
         except BaseException as error:
             error.trained = True  # its records stay
             raise

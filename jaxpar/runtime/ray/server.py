@@ -5,8 +5,10 @@ server applies the set as one update unless that would push some in-flight gradi
 (0 = BSP, every worker every update; inf = ASP, each arrival at once). A version is the number of updates applied.
 A delivering worker waits (its `push` does not return) until its delivery is applied, then starts again on the new
 version: a worker S versions ahead of the slowest blocks. Every worker counts as computing on the first version
-from the start, so a worker whose process is still starting bounds the others as a slow one does. Pushes carry (worker, seq): a seq the server has already
-taken is ignored (counted in `duplicates`), and a worker that rejoins continues at the seq after its last delivery.
+from the start, so a worker whose process is still starting bounds the others as a slow one does. Pushes carry
+(worker, seq): a seq the server has already taken is ignored (counted in `duplicates`), and a worker that rejoins
+continues at the seq after its last delivery. With server shards (`jaxpar.runtime.ray.shards`) this actor keeps
+the versions and the bookkeeping, and the shards hold and update the parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import optax
 from jaxpar.errors import JaxparError
 from jaxpar.runtime.ray.compute import build_trainer, leaves_of
 from jaxpar.runtime.ray.schedule import Delivery
+from jaxpar.runtime.ray.worker import one_line
 
 
 class ParameterServer:
@@ -54,9 +57,9 @@ class ParameterServer:
             with open(os.path.join(run_dir, "server.pid"), "w") as handle:
                 handle.write(str(os.getpid()))
 
-    async def ready(self) -> str | None:
-        """Starts the shards and restores a checkpoint: None, or what stops the run in one line (the driver's
-        first call)."""
+    async def ready(self) -> JaxparError | None:
+        """Starts the shards and restores a checkpoint: None, or the error that stops the run (the driver's call
+        after the workers are built)."""
         try:
             if self.spec.server_shards > 1:
                 from jaxpar.runtime.ray.connect import actor_env
@@ -69,9 +72,12 @@ class ParameterServer:
                 if restored is not None:
                     await self._restore(restored)
                     self.resumed_at = self.version
-        except JaxparError as error:
+        except JaxparError as error:  # handed to the driver as it is (a CheckpointError names the flag)
             self.problem = str(error)
-            return self.problem
+            return error
+        except Exception as error:  # noqa: BLE001 - a shard actor that could not start
+            self.problem = f"a parameter server shard could not start ({one_line(error)})"
+            return JaxparError(self.problem)
         # every worker starts computing on this version: an update waits for one that has not joined yet as for one
         # that is slow (SSP(0) applies no update without every worker; a worker that dies before joining is dropped)
         self.computing = set(range(self.spec.num_workers))
@@ -118,20 +124,27 @@ class ParameterServer:
         return self.version, leaves, self.delivered.get(worker, -1) + 1, self.stop
 
     async def push(self, worker: int, seq: int, read: int, leaves: list, loss: float, finite: bool = True):
-        """Delivers (worker, seq)'s gradient computed on version `read` (its leaves, or with shards the references of
-        its parts' `stage` calls, one per shard; `finite`: whether every entry is); returns, once it is applied, (version, parameter
-        leaves or references, its staleness, stop). A seq already taken returns at once with staleness -1."""
-        if self.sharded is not None:  # `leaves`: the shards' `stage` calls; the parts are there once they return
-            await asyncio.gather(*leaves)
+        """Delivers (worker, seq)'s gradient computed on version `read` (its leaves; with shards, its stage key and
+        the references of its parts' `stage` calls, one per shard; `finite`: whether every entry is); returns, once
+        it is applied, (version, parameter leaves or references, its staleness, stop). A seq already taken returns
+        at once with staleness -1."""
+        if self.sharded is not None:  # `leaves`: (the push's stage key, its `stage` calls, one per shard)
+            try:
+                await asyncio.gather(*leaves[1])
+            except Exception as error:  # noqa: BLE001 - a shard died: the run stops with one line
+                self._broken(self.version, error)
+                return self.version, None, -1, True
         if self.stop or seq <= self.delivered.get(worker, -1):
             self.duplicates += 0 if self.stop else 1
             if self.sharded is not None:
-                await asyncio.gather(*[a.discard.remote((worker, seq)) for a in self.sharded.actors])
-            return self.version, await self._current(), -1, self.stop
+                await asyncio.gather(*[a.discard.remote(leaves[0]) for a in self.sharded.actors])
+            current = await self._current()  # before reading the version: it may advance meanwhile
+            return self.version, current, -1, self.stop
         self.delivered[worker] = seq
         self.computing.discard(worker)
         done = asyncio.get_running_loop().create_future()
-        self.pending.append((Delivery(worker, seq, read), leaves, loss, done, finite))
+        self.pending.append((Delivery(worker, seq, read), leaves if self.sharded is None else leaves[0], loss, done,
+                             finite))
         self._maybe_apply()
         return await done
 
@@ -161,6 +174,8 @@ class ParameterServer:
 
         if self._file is not None:
             self._file.flush()
+        if self.problem is not None:
+            return {"problem": self.problem}
         leaves = self._leaves
         if self.sharded is not None:
             await self._current()
@@ -232,16 +247,21 @@ class ParameterServer:
                                                           self.spec.server_shards))
             answer(list(self.sharded.refs))
 
-        def failed(error):  # a shard died: the run stops with one line (the driver reads it from `progress`)
-            self.problem = (f"a parameter server shard died while applying version {version} "
-                            f"({type(error).__name__}); the run stops here; with a checkpoint_dir, resume continues "
-                            f"at its last saved version")
-            self.stop = True
+        def failed(error):
+            self._broken(version, error)
             for _, _, _, done, _ in pending:
                 if not done.done():
                     done.set_result((version, None, -1, True))
 
-        self.sharded.apply([(d.worker, d.seq) for d in deliveries], count, ok, after, failed)
+        self.sharded.apply([p[1] for p in pending], count, ok, after, failed)
+
+    def _broken(self, version: int, error: BaseException) -> None:
+        """A shard died (or a save failed): the run stops with one line, the first failure's (the driver reads it
+        from `progress` and `result`)."""
+        if self.problem is None:
+            self.problem = (f"a parameter server shard failed at version {version} ({type(error).__name__}); the "
+                            f"run stops here; with a checkpoint_dir, resume continues at its last saved version")
+        self.stop = True
 
     def _record(self, record: dict) -> None:
         self.records.append(record)

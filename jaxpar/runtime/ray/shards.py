@@ -92,8 +92,9 @@ class ParameterServerShard:
         return self._leaves_ref() if self._ref is None else [self._ref]
 
     async def stage(self, key: tuple, part: list) -> None:
-        """Keeps push `key`'s (worker, seq) part of a gradient until the update that applies it."""
-        self._staged[tuple(key)] = part
+        """Keeps a push's part of a gradient until the update that applies it; `key` is that push attempt's own
+        (worker, seq, process, attempt), so a repeated push never replaces or removes another's part."""
+        self._staged[tuple(key)] = [np.array(x) for x in part]  # a copy: nothing pins the object store
 
     async def discard(self, key: tuple) -> None:
         self._staged.pop(tuple(key), None)
@@ -138,6 +139,7 @@ class ShardedParams:
         self.actors = [actor.remote(optimizer, [leaves[i] for i in part]) for part in self.split]
         self._last: asyncio.Future | None = None
         self.refs: list | None = None  # the applied version's leaves, one reference per shard
+        self.broken: Exception | None = None  # what stopped the updates
 
     async def start(self) -> None:
         self.refs = [(await a.leaves.remote())[0] for a in self.actors]
@@ -146,21 +148,24 @@ class ShardedParams:
         return self._last is not None and not self._last.done()
 
     def apply(self, keys: list, count: int, ok: bool, after, failed):
-        """Schedules one update of the staged pushes `keys` ((worker, seq) each) after the previous one; `after()`
-        runs once every shard has applied it, `failed(error)` if one could not (its actor died). Returns the
-        future of that."""
+        """Schedules one update of the staged pushes `keys` (each push's own stage key) after the previous one;
+        `after()` runs once every shard has applied it, `failed(error)` if one could not (its actor died, a save
+        failed). Returns the future of that."""
         previous = self._last
 
-        async def run():
+        async def run():  # never raises: a failure goes to `failed`, and every later update fails with it
             if previous is not None:
                 await previous
+            if self.broken is not None:
+                failed(self.broken)
+                return
             try:
                 out = await asyncio.gather(*[a.apply.remote(count, ok, keys) for a in self.actors])
-            except Exception as error:  # noqa: BLE001 - a dead actor (or its node): the run cannot go on
+                self.refs = [o[0] for o in out]
+                await after()
+            except Exception as error:  # noqa: BLE001 - a dead actor (or its node), a failed save: the run stops
+                self.broken = error
                 failed(error)
-                return
-            self.refs = [o[0] for o in out]
-            await after()
 
         self._last = asyncio.ensure_future(run())
         return self._last

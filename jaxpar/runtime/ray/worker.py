@@ -113,7 +113,8 @@ class ReplicaWorker:
             if split is None:
                 sent, finite = out, True  # the server checks the sum itself
             else:  # each shard its part; the server hears (worker, seq)
-                sent = [shard.stage.remote((worker, seq), [out[i] for i in part]) for shard, part in zip(shards, split)]
+                key = (worker, seq, os.getpid(), pushes)  # this attempt's own: a repeated push never meets it
+                sent = (key, [shard.stage.remote(key, [out[i] for i in part]) for shard, part in zip(shards, split)])
                 finite = bool(all(np.isfinite(x).all() for x in out))
             new_version, leaves, staleness, stop = ray.get(self.server.push.remote(worker, seq, version, sent, loss,
                                                                                    finite))
