@@ -70,7 +70,8 @@ def train_on_ray(config) -> dict:
         return explain_ray(config, shape, strategy)
     workers, devices = shape[0], math.prod(shape[1:])
     print(f"jaxpar: {config.model} on --runtime ray: {workers} worker processes of {devices} device"
-          f"{'s' * (devices > 1)} each (mesh {config.mesh}) and a parameter server; global batch "
+          f"{'s' * (devices > 1)} each (mesh {config.mesh}) and a parameter server"
+          f"{f' split over {config.server_shards} shards' if (config.server_shards or 1) > 1 else ''}; global batch "
           f"{config.batch_size} ({config.batch_size // workers} per worker); strategy {config.strategy}; "
           f"{config.steps} server updates", flush=True)
     if config.eval_every:
