@@ -26,6 +26,7 @@ import optax
 from jaxpar.errors import JaxparError
 from jaxpar.runtime.ray.compute import build_trainer, leaves_of
 from jaxpar.runtime.ray.schedule import Delivery
+from jaxpar.runtime.ray.shards import ShardedParams, apply_update
 from jaxpar.runtime.ray.worker import one_line
 
 
@@ -41,7 +42,7 @@ class ParameterServer:
         state = trainer.init(spec.seed)
         self.params, self.opt_state = state.params, state.opt_state
         self._treedef = jax.tree.structure(self.params)
-        self._update = jax.jit(lambda p, o, g: _apply(tx, p, o, g))
+        self._update = jax.jit(lambda p, o, g: apply_update(tx, p, o, g))
         self.version, self.started = 0, time.time()
         self.alive, self.computing, self.read_of = set(), set(), {}
         self.delivered: dict[int, int] = {}  # worker -> its last seq taken
@@ -63,7 +64,6 @@ class ParameterServer:
         try:
             if self.spec.server_shards > 1:
                 from jaxpar.runtime.ray.connect import actor_env
-                from jaxpar.runtime.ray.shards import ShardedParams
 
                 self.sharded = ShardedParams(self.tx, self._leaves, self.spec.server_shards, actor_env(1))
                 await self.sharded.start()
@@ -268,7 +268,3 @@ class ParameterServer:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
 
-
-def _apply(tx, params, opt_state, grads):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state

@@ -43,7 +43,8 @@ def leaf_bytes(leaves) -> list[int]:
     return [int(np.asarray(x).size * np.asarray(x).dtype.itemsize) for x in leaves]
 
 
-def _apply(tx, params, opt_state, grads):
+def apply_update(tx, params, opt_state, grads):
+    """One optimizer step of `tx` on `params` (the server's, or a shard's part of them)."""
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -56,12 +57,12 @@ def check_separable(tx, leaves, split: list[list[int]]) -> str | None:
     try:
         whole, state = list(leaves), tx.init(list(leaves))
         for g in grads:
-            whole, state = _apply(tx, whole, state, g)
+            whole, state = apply_update(tx, whole, state, g)
         for part in split:
             mine = [leaves[i] for i in part]
             own = tx.init(mine)
             for g in grads:
-                mine, own = _apply(tx, mine, own, [g[i] for i in part])
+                mine, own = apply_update(tx, mine, own, [g[i] for i in part])
             if not all(np.allclose(a, whole[i], rtol=1e-6, atol=1e-7) for a, i in zip(mine, part)):
                 return "differs"
     except Exception as error:  # noqa: BLE001 - an optimizer that needs the whole tree's structure
@@ -77,7 +78,7 @@ class ParameterServerShard:
 
         self.params = [jnp.asarray(x) for x in leaves]
         self.opt_state = optimizer.init(self.params)
-        self._update = jax.jit(lambda p, o, g: _apply(optimizer, p, o, g))
+        self._update = jax.jit(lambda p, o, g: apply_update(optimizer, p, o, g))
         self._opt_tree = jax.tree.structure(self.opt_state)
         self._ref = None
         self._staged: dict[tuple, list] = {}
