@@ -16,7 +16,6 @@ training or the held-out part of a corpus under `BlockSplit`, the one place that
 from __future__ import annotations
 
 import codecs
-import contextlib
 import logging
 import os
 import resource
@@ -139,7 +138,7 @@ class Corpus:
         """Descriptors for `files` (at most OPEN_FILES // 2 distinct), opening the closed ones; when more than
         OPEN_FILES would be open, the least recently used half of the others is closed first."""
         self._reads += 1
-        distinct = np.unique(files)
+        distinct = files[_begins(files[1:] != files[:-1])]  # (pieces come in file order: sorted)
         self._used[distinct] = self._reads
         closed = distinct[self._fds[distinct] < 0]
         open_now = np.flatnonzero(self._fds >= 0) if len(closed) else np.zeros(0, np.int64)
@@ -160,6 +159,9 @@ class Corpus:
         the file, length), in order; empty pieces (empty files) left out."""
         first = np.searchsorted(self.ends, starts, side="right")
         count = np.searchsorted(self.ends, stops - 1, side="right") - first + 1
+        if (count == 1).all():  # no range crosses a file end (the usual case)
+            file_starts = self.ends[first] - self.sizes[first]
+            return first, starts - file_starts, stops - starts
         owner = np.repeat(np.arange(len(starts)), count)
         files = np.repeat(first, count) + _ramps(count)
         file_starts = self.ends[files] - self.sizes[files]
@@ -171,27 +173,29 @@ class Corpus:
         """The bytes of the ranges [starts, stops) (sorted, disjoint, inside the corpus), concatenated, then `pad`
         zero bytes."""
         files, offsets, lengths = self._pieces(starts, stops)
-        group = np.cumsum(np.r_[0, np.diff(files) != 0]) // (OPEN_FILES // 2)  # pieces come in file order
-        cuts = np.r_[0, np.flatnonzero(np.diff(group)) + 1, len(files)]
+        group = (np.cumsum(_begins(files[1:] != files[:-1])) - 1) // (OPEN_FILES // 2)  # pieces in file order
+        cuts = [0, len(files)] if not len(files) or group[-1] == 0 else \
+            [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(files)]
         chunks = []
         with self._lock:
-            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            for a, b in zip(cuts[:-1], cuts[1:]):
                 fds = self._descriptors(files[a:b])
                 try:
                     chunks += map(os.pread, fds.tolist(), lengths[a:b].tolist(), offsets[a:b].tolist())
                 except OSError:
                     self._name_failure(files[a:b], fds, offsets[a:b], lengths[a:b])
                     raise
-        got = np.fromiter(map(len, chunks), np.int64, len(chunks))
-        if len(got) and (got != lengths).any():
+        if pad:
+            chunks.append(bytes(pad))
+        joined = b"".join(chunks)
+        if len(joined) != int(lengths.sum()) + pad:  # a read returns at most what it asks for: one came up short
+            got = np.fromiter(map(len, chunks[:len(lengths)]), np.int64, len(lengths))
             index = int(files[np.argmax(got != lengths)])
             raise DataError(f"--data {self.label!r}: {self.files[index]!r} has shrunk to "
                             f"{os.stat(self.files[index]).st_size} bytes since the run started (it had at least "
                             f"{int(self.sizes[index])}); leave a run's data unchanged while it trains")
         self.bytes_read += int(lengths.sum())
-        if pad:
-            chunks.append(bytes(pad))
-        return b"".join(chunks)
+        return joined
 
     def _name_failure(self, files, fds, offsets, lengths) -> None:
         """Re-reads piece by piece to raise the one-line error that names the file a read failed on."""
@@ -226,24 +230,42 @@ class Corpus:
         starts, lengths = np.asarray(starts, np.int64), np.broadcast_to(np.asarray(lengths, np.int64), np.shape(starts))
         if starts.size == 0:
             return np.zeros(0, np.uint8)
-        order = np.argsort(starts, kind="stable")
-        first, stop = starts[order], (starts + lengths)[order]
-        opens = np.r_[True, first[1:] > np.maximum.accumulate(stop)[:-1]]  # begins a merged range
-        heads = np.flatnonzero(opens)
-        merged_starts, merged_stops = first[heads], np.maximum.reduceat(stop, heads)
         longest = int(lengths.max())
-        buffer = np.frombuffer(self._read_ranges(merged_starts, merged_stops, pad=longest), np.uint8)
-        merged_offsets = np.cumsum(np.r_[0, merged_stops[:-1] - merged_starts[:-1]])  # each range's place in buffer
-        home = np.empty_like(order)
-        home[order] = np.cumsum(opens) - 1  # the merged range holding each run
-        base = merged_offsets[home] + starts - merged_starts[home]  # where run i begins in buffer
-        if 0 < longest * len(lengths) <= 2 * int(lengths.sum()) + longest:  # runs of about one length (windows):
-            rows = np.lib.stride_tricks.sliding_window_view(buffer, longest)[base].ravel()  # one strided gather
+        if longest * len(lengths) <= 2 * int(lengths.sum()) + longest:  # runs of about one length (windows):
+            rows = self.rows(starts, lengths).ravel()  # one strided gather,
             short = np.flatnonzero(lengths < longest)  # then the few shorter runs' extra bytes are cut out
+            if not len(short):
+                return rows
             extra = longest - lengths[short]
             return np.delete(rows, np.repeat(short * longest + lengths[short], extra) + _ramps(extra))
-        buffer = buffer[:len(buffer) - longest]
+        buffer, base = self._merged(starts, lengths, pad=0)
         return buffer[np.repeat(base, lengths) + _ramps(lengths)]
+
+    def rows(self, starts: np.ndarray, lengths: np.ndarray, width: int = 0) -> np.ndarray:
+        """[len(starts), max(lengths, width)] uint8: row i begins with the bytes [starts[i], starts[i] + lengths[i]);
+        what follows them in a shorter run's row is unspecified. Read as `runs` reads, cut with one strided gather."""
+        starts, lengths = np.asarray(starts, np.int64), np.broadcast_to(np.asarray(lengths, np.int64), np.shape(starts))
+        longest = max(int(lengths.max()) if starts.size else 0, width)
+        if starts.size == 0 or longest == 0:
+            return np.zeros((starts.size, longest), np.uint8)
+        buffer, base = self._merged(starts, lengths, pad=longest)
+        windows = np.lib.stride_tricks.as_strided(buffer, (len(buffer) - longest + 1, longest), (1, 1), writeable=False)
+        return windows[base]
+
+    def _merged(self, starts: np.ndarray, lengths: np.ndarray, pad: int) -> tuple[np.ndarray, np.ndarray]:
+        """(buffer, base): the runs' bytes read as merged ranges (overlapping or touching runs merged) into one
+        buffer followed by `pad` zero bytes, and where run i begins in it."""
+        order = np.argsort(starts)  # (ties: any order merges the same)
+        first, stop = starts[order], (starts + lengths)[order]
+        opens = _begins(first[1:] > np.maximum.accumulate(stop)[:-1])  # begins a merged range
+        heads = np.flatnonzero(opens)
+        merged_starts, merged_stops = first[heads], np.maximum.reduceat(stop, heads)
+        buffer = np.frombuffer(self._read_ranges(merged_starts, merged_stops, pad=pad), np.uint8)
+        merged_lengths = merged_stops - merged_starts
+        merged_offsets = np.cumsum(merged_lengths) - merged_lengths  # each range's place in buffer
+        home = np.empty_like(order)
+        home[order] = np.cumsum(opens) - 1  # the merged range holding each run
+        return buffer, merged_offsets[home] + starts - merged_starts[home]
 
     def close(self) -> None:
         for fd in self._fds[self._fds >= 0].tolist():
@@ -251,8 +273,17 @@ class Corpus:
         self._fds[:] = -1
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # (at interpreter exit os may be gone; the descriptors close with it)
+        try:
             self.close()
+        except Exception:  # (at interpreter exit os may be gone; the descriptors close with the process)
+            pass
+
+
+def _begins(after_first: np.ndarray) -> np.ndarray:
+    """A boolean mask: True, then `after_first` (where each later element begins something new)."""
+    mask = np.empty(len(after_first) + 1, bool)
+    mask[0], mask[1:] = True, after_first
+    return mask
 
 
 def _ramps(counts: np.ndarray) -> np.ndarray:

@@ -84,14 +84,20 @@ class CorpusPart:
             return self[starts[:, None] + np.arange(length)]
         head = np.minimum(block - starts % block, length)  # bytes in the first block; the rest in the next one
         first = self.split.corpus_positions(starts, self.held_out)
-        second = self.split.corpus_positions(np.where(head < length, starts + head, starts), self.held_out)
-        head = np.where(second == first + head, length, head)  # the part's next block is the corpus's next: one run
-        if (head == length).all():
-            return self.corpus.runs(first, length).reshape(len(starts), length)
-        pieces, counts = np.stack([first, second], 1), np.stack([head, length - head], 1)
-        keep = counts.ravel() > 0
-        return self.corpus.runs(pieces.ravel()[keep], counts.ravel()[keep]).reshape(len(starts), length)
-
+        cross = np.flatnonzero(head < length)
+        second = self.split.corpus_positions(starts[cross] + head[cross], self.held_out)
+        apart = second != first[cross] + head[cross]  # the part's next block is not the corpus's next: two runs
+        cross, second = cross[apart], second[apart]
+        lengths = np.full(len(starts), length, np.int64)
+        lengths[cross] = head[cross]
+        rows = self.corpus.rows(np.concatenate((first, second)), np.concatenate((lengths, length - head[cross])),
+                                width=length)
+        out = rows[:len(starts)]
+        if len(cross):  # the few windows in two runs: the second run's bytes follow the first's
+            column = np.arange(length)
+            tail = rows[len(starts) + np.arange(len(cross))[:, None], np.maximum(column - head[cross, None], 0)]
+            out[cross] = np.where(column < head[cross, None], out[cross], tail)
+        return out
 
 def split_corpus(corpus, validation_fraction: float = 0.05, seq_len: int = 128) -> tuple[CorpusPart, CorpusPart]:
     """(training part, held-out part) of `corpus`, equal byte for byte to `split_text` of its bytes; reads nothing."""

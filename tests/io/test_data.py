@@ -237,6 +237,24 @@ def test_opening_reads_nothing_of_the_default_corpus_and_a_bounded_sample_of_dat
     assert data.open_corpus(name).bytes_read == corpus_lib.SAMPLE_BYTES
 
 
+@pytest.mark.parametrize("fraction", [0.05, 0.5])
+def test_runs_of_a_part_equal_its_bytes_in_memory_when_they_cross_into_the_next_block(tmp_path, fraction):
+    """Every window of both parts, then only windows that cross a block end (each two corpus runs when the part's
+    next block is not the corpus's next): the bytes in memory, each distinct byte read once."""
+    content = np.random.default_rng(5).integers(0, 256, 77_777, dtype=np.uint8)
+    corpus = corpus_lib.Corpus(_files(tmp_path, [content[:30_000].tobytes(), content[30_000:].tobytes()]))
+    for part, lazy in zip(data.split_text(content, fraction, 200), data.split_corpus(corpus, fraction, 200)):
+        block = lazy.split.block
+        every = np.arange(0, len(part) - 200, 37)
+        crossing = np.arange(block - 150, len(part) - 200, block)  # 150 bytes in one block, 50 in the next
+        assert len(crossing) >= (1 if len(part) > 2 * block else 0)
+        for starts in (every, crossing, crossing[:1]) if len(crossing) else (every,):
+            before = corpus.bytes_read
+            got = lazy.runs(starts, 200)
+            np.testing.assert_array_equal(got, part[starts[:, None] + np.arange(200)])
+            assert corpus.bytes_read - before == len(np.unique(starts[:, None] + np.arange(200)))
+
+
 @pytest.mark.parametrize("seq_len", [16, 128])
 def test_windows_read_from_disk_equal_the_windows_of_the_corpus_in_memory(seq_len):
     tokens = data.load_text(None)
