@@ -7,15 +7,18 @@ a held-out loss.
 
     python -m benchmarks.ray_async                      # 400 server updates per run
     python -m benchmarks.ray_async --steps 100          # quicker
+    python -m benchmarks.ray_async --batch 2048 --steps 200   # compute well above Ray's round trip
 
-The model is a wide MLP on synthetic regression data (numpy, seeded per (worker, batch)), sized so that a step's
-compute (tens of ms) is well above Ray's round trip. One JSON line per run and one for the ratios. Numbers under a
+The model is a wide MLP on synthetic regression data (numpy, seeded per (worker, batch)). At the default global
+batch of 256 a step's compute (about 8 ms) is below Ray's round trip (about 12 ms); `--batch 2048` puts it well
+above. One JSON line per run and one for the ratios. Numbers under a
 shared machine's load are noisy: compare the ratios of one invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -47,9 +50,9 @@ def loss(model, batch):
     return ((model(batch["x"])[:, 0] - batch["y"]) ** 2).mean(), {}
 
 
-def batches(worker, workers, seq):
+def batches(worker, workers, seq, batch=BATCH):
     rng = np.random.default_rng([worker, seq])
-    x = rng.standard_normal((BATCH // workers, 64)).astype(np.float32)
+    x = rng.standard_normal((batch // workers, 64)).astype(np.float32)
     return {"x": x, "y": np.sin(x[:, :8].sum(1)).astype(np.float32)}
 
 
@@ -62,13 +65,13 @@ def held_out():
     return {"x": x, "y": np.sin(x[:, :8].sum(1)).astype(np.float32)}
 
 
-def held_out_curve(schedule, workers: int, every: int = 10) -> list[tuple[int, float]]:
+def held_out_curve(schedule, workers: int, batch_fn, every: int = 10) -> list[tuple[int, float]]:
     """(version, held-out loss) every `every` versions of a run, from its schedule replayed through the emulation
     (which gives the runtime's parameters exactly: tests/runtime/test_ray_runtime.py)."""
     trainer = jaxpar.Trainer(Wide, loss, optax.sgd(0.01), jaxpar.make_mesh(f"data={workers}",
                              devices=jax.devices()[:workers]), strategy=replay_strategy(schedule, workers))
     state, evaluation, curve = trainer.init(0), held_out(), []
-    for version, batch in enumerate(replay_batches(schedule, batches, workers), 1):
+    for version, batch in enumerate(replay_batches(schedule, batch_fn, workers), 1):
         state, _ = trainer.step(state, batch)
         if version % every == 0 or version == len(schedule):
             curve.append((version, float(trainer.evaluate(state, evaluation)["loss"])))
@@ -92,11 +95,11 @@ def time_to(records, target: float, window: int = 20) -> float | None:
     return None
 
 
-def one(strategy, mesh, steps, label, shards=1):
+def one(strategy, mesh, steps, label, batch_fn, shards=1):
     from jaxpar.runtime.ray import run
 
     started = time.time()
-    out = run(Wide, loss, optax.sgd(0.01), mesh, strategy, batches, steps, server_shards=shards)
+    out = run(Wide, loss, optax.sgd(0.01), mesh, strategy, batch_fn, steps, server_shards=shards)
     waits, computes = [], []
     import glob
     import os
@@ -118,7 +121,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--stragglers", default="1:3.0")
+    parser.add_argument("--batch", type=int, default=BATCH, help="global batch (rows over all workers): a larger one "
+                        "makes each step's compute larger against Ray's round trip")
     args = parser.parse_args(argv)
+    batch_fn = functools.partial(batches, batch=args.batch)
     jaxpar.make_mesh("data=4")  # before anything touches JAX: the driver's CPU devices, for the held-out replay
     import ray
 
@@ -128,12 +134,13 @@ def main(argv=None):
         rows = {}
         for label, strategy in (("sync", jaxpar.Sync(stragglers=s)), ("asp", jaxpar.ASP(stragglers=s)),
                                 ("ssp2", jaxpar.SSP(2, stragglers=s))):
-            rows[label] = one(strategy, "data=4", args.steps, label)
-        overhead, overhead_run = one(jaxpar.ASP(), "data=2", args.steps, "overhead-asp-2-workers")
-        sharded, _ = one(jaxpar.ASP(), "data=2", args.steps, "overhead-asp-2-workers-2-server-shards", shards=2)
+            rows[label] = one(strategy, "data=4", args.steps, label, batch_fn)
+        overhead, overhead_run = one(jaxpar.ASP(), "data=2", args.steps, "overhead-asp-2-workers", batch_fn)
+        sharded, _ = one(jaxpar.ASP(), "data=2", args.steps, "overhead-asp-2-workers-2-server-shards", batch_fn,
+                         shards=2)
     finally:
         ray.shutdown()
-    curves = {k: held_out_curve(v[1]["schedule"], 4) for k, v in rows.items()}
+    curves = {k: held_out_curve(v[1]["schedule"], 4, batch_fn) for k, v in rows.items()}
     held_target = max(curves["sync"][-1][1], curves["asp"][-1][1]) * 1.05
     held_reach = {k: time_to_held_out(curves[k], v[1]["records"], held_target) for k, v in rows.items()}
     target = max(rows["sync"][0]["final_loss"], rows["asp"][0]["final_loss"]) * 1.05
@@ -156,7 +163,7 @@ def main(argv=None):
               for bound_name, bound in (("asp", None), ("ssp2", 2), ("sync", 0))}
     wall = {k: v[0]["wall_s"] for k, v in rows.items()}
     reach = {k: time_to(v[1]["records"], target) for k, v in rows.items()}
-    summary = {"stragglers": s, "steps": args.steps, "asp_over_sync_wall": wall["asp"] / wall["sync"],
+    summary = {"stragglers": s, "steps": args.steps, "batch": args.batch, "asp_over_sync_wall": wall["asp"] / wall["sync"],
                "ssp2_over_sync_wall": wall["ssp2"] / wall["sync"],
                "emulated_asp_over_sync": emulated["exact"]["asp"] / emulated["exact"]["sync"],
                "emulated_asp_over_sync_jitter0.1": emulated["jitter0.1"]["asp"] / emulated["jitter0.1"]["sync"],

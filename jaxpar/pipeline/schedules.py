@@ -42,6 +42,15 @@ StageFn = Callable[[object, jax.Array, jax.Array], jax.Array]
 # the name scope of 1F1B's half-step conditional, whose branches (a forward, a backward) every stage runs in turn:
 # the FLOP count (`jaxpar.cost.hlo.flops`) counts their mean per half-step, not the dearer one
 ALTERNATING = "jaxpar_alternating"
+# the name scope of a conditional whose true branch (the head, the part before the stack) the busiest device takes
+# in `runs` of the `reached` times it reaches it (the other times are bubble ticks): the FLOP count weighs the
+# branches so, not the dearer one every time
+TAKEN = "jaxpar_taken"
+
+
+def taken(runs: int, reached: int):
+    """The name scope of such a conditional (see TAKEN)."""
+    return jax.named_scope(f"{TAKEN}_{runs}_of_{reached}")
 
 
 def _to_next(x, axis: str, stages: int, ring: bool = False):
@@ -154,14 +163,16 @@ def circular_loss(stage_fn: Callable, first_fn: Callable, head_fn: Callable, par
 
     @jax.checkpoint
     def run(p, h, x_in, m, r, starts, ends):
-        x = lax.cond(starts, lambda: first_fn(h, m).astype(like.dtype), lambda: x_in)
+        with taken(count, items + stages - 1):  # stage 0 embeds, the last stage runs the head, M ticks of them all
+            x = lax.cond(starts, lambda: first_fn(h, m).astype(like.dtype), lambda: x_in)
         y = stage_fn(jax.tree.map(lambda a: a[r], p), x, m, r)
 
         def head():
             value, aux = head_fn(h, y, m)
             return value.astype(jnp.float32), jax.tree.map(lambda a: a.astype(jnp.float32), aux)
 
-        value, aux = lax.cond(ends, head, lambda: (jnp.zeros((), jnp.float32), no_metrics))
+        with taken(count, items + stages - 1):
+            value, aux = lax.cond(ends, head, lambda: (jnp.zeros((), jnp.float32), no_metrics))
         return y, value, aux
 
     def tick(carry, t):
@@ -171,7 +182,7 @@ def circular_loss(stage_fn: Callable, first_fn: Callable, head_fn: Callable, par
         r, m = i // count, i % count
         x_in = jnp.where(stage == 0, returned[m], received) if repeats > 1 else received
         ends = (stage == stages - 1) & (raw >= items - count) & (raw < items)
-        y, value, aux = run(params, head_params, x_in, m, r, (stage == 0) & (r == 0), ends)
+        y, value, aux = run(params, head_params, x_in, m, r, (stage == 0) & (raw < count), ends)
         sent = _to_next(y, axis, stages, ring=repeats > 1)
         if repeats > 1:  # on stage 0, `sent` is the last stage's output of item t - S + 1: keep it for its next round
             back = t - stages + 1
@@ -219,7 +230,9 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
     def forward(carry, m, valid):
         received, pending, stash, grads, head_grads, input_grads, loss, metrics = carry
         if first:
-            x = _branch(uniform, stage == 0, lambda: first(head_params, m).astype(zeros.dtype), lambda: received)
+            with taken(count, count + stages - 1):  # M of a stage's M + S - 1 forward half-steps
+                x = _branch(uniform, (stage == 0) & valid, lambda: first(head_params, m).astype(zeros.dtype),
+                            lambda: received)
         else:
             x = jnp.where(stage == 0, xs[m], received)
         y = stage_fn(params, x, m)
@@ -234,7 +247,8 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
             return (jnp.zeros((), jnp.float32), no_metrics, jax.tree.map(jnp.zeros_like, head_params),
                     jnp.zeros_like(y))
 
-        value, aux, g_head, cotangent = _branch(uniform, last, head, idle, y)
+        with taken(count, count + stages - 1):  # (bubble half-steps: idle)
+            value, aux, g_head, cotangent = _branch(uniform, last & valid, head, idle, y)
         use = valid & last
         stash = jnp.where(valid, stash.at[m % stages].set(x), stash)
         pending = jnp.where(use, cotangent, pending)
@@ -254,7 +268,9 @@ def one_f_one_b(stage_fn: StageFn, head_fn: Callable, params, head_params, xs, *
                 _, pull_x = jax.vjp(lambda h: first(h, m).astype(zeros.dtype), head_params)
                 return pull_x(x_grad)[0]
 
-            g_first = _branch(uniform, stage == 0, pull_first, lambda: jax.tree.map(jnp.zeros_like, head_params))
+            with taken(count, count + stages - 1):
+                g_first = _branch(uniform, (stage == 0) & valid, pull_first,
+                                  lambda: jax.tree.map(jnp.zeros_like, head_params))
             head_grads = _pick(valid & (stage == 0), jax.tree.map(jnp.add, head_grads, g_first), head_grads)
         else:
             input_grads = jnp.where(valid & (stage == 0), input_grads.at[m].set(x_grad), input_grads)

@@ -10,11 +10,12 @@ import re
 from typing import NamedTuple
 
 from jaxpar.cost.hlo.program import Program, hlo_text, parse_program
-from jaxpar.pipeline.schedules import ALTERNATING
+from jaxpar.pipeline.schedules import ALTERNATING, TAKEN
 
 _CONDITIONAL = re.compile(r"=\s*\S.*?\sconditional\(")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_TRUE_FALSE = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
+_TRUE_FALSE = re.compile(r"\b(true|false)_computation=%?([\w.\-]+)")
+_TAKEN = re.compile(TAKEN + r"_(\d+)_of_(\d+)/cond\"")
 
 
 class Flops(NamedTuple):
@@ -30,11 +31,11 @@ def loop_flops(compiled_or_hlo_text, xla_flops: float | None) -> Flops:
     with a known trip count K, the K - 1 runs it left out: K - 1 times its body's FLOPs, costed by XLA's own cost
     analysis of the body alone (nested loops multiply).
 
-    Conditionals, the rule: a conditional counts the branch that runs on the busiest device. XLA counts its
-    costliest branch, which is that branch for the pipelines' stage conditionals (the first stage's part before the
-    stack, the last stage's head: the stage that runs it runs it every time). The one exception is 1F1B's half-step
-    conditional (in the name scope `jaxpar.pipeline.schedules.ALTERNATING`): every stage runs its forward branch in
-    half of the half-steps and its backward in the other half, so it counts the mean of its branches.
+    Conditionals, the rule: a conditional counts its branches as often as they run on the busiest device. XLA counts
+    its costliest branch every time; the pipeline schedules say otherwise by name scope (`_weighted`): 1F1B's
+    half-step conditional (`jaxpar.pipeline.schedules.ALTERNATING`) runs its forward branch in half of the
+    half-steps and its backward in the other half, so it counts their mean; the head and the first stage's part
+    (`TAKEN`) run in the ticks that carry a microbatch only (M of the loop's ticks), the empty branch otherwise.
 
     A loop without a known trip count is counted once (see `note`); if the bodies cannot be costed (the HLO parser
     of this jaxlib missing), `xla_flops` is returned as it is."""
@@ -50,34 +51,65 @@ def loop_flops(compiled_or_hlo_text, xla_flops: float | None) -> Flops:
                                            f"{type(error).__name__})")
     unknown = sorted(name for name, (_, _, trip) in program.whiles.items() if trip is None)
     total = xla_flops + _extra(program, program.entry, costed, {})
-    alternating = _alternating(program, costed)
-    total += alternating
+    weighted = _weighted(program, costed)
+    total += weighted
     note = "every while body counted its trip count times (XLA's cost analysis counts it once)"
-    if alternating:
-        note += "; 1F1B's forward / backward half-steps at the mean of the two (each stage runs each half the time)"
+    if weighted:
+        note += ("; the pipeline's conditionals by how often each branch runs (1F1B's forward / backward half-steps "
+                 "at their mean; the head and the first stage's part in their microbatches' ticks only)")
     if unknown:
         note += f"; {len(unknown)} loop(s) of unknown trip count counted once ({', '.join(unknown)})"
+    total = float(round(total))  # (branch weights are fractions of runs: a whole number of FLOPs)
     return Flops(total, xla_flops, note if total != xla_flops or unknown else "")
 
 
-def _alternating(program: Program, costed) -> float:
-    """What counting 1F1B's half-step conditionals at the mean of their branches changes (a negative number). The
-    count so far holds, per run of such a conditional, its costliest branch's static FLOPs (XLA) plus the loops left
-    out of every branch (`_extra`); it should hold the mean over the branches of (static + left out)."""
+def _branch_names(line: str, program: Program) -> list[str]:
+    """A conditional's branch computations in index order (a boolean one's: false, then true)."""
+    branches = _BRANCHES.search(line)
+    if branches:
+        names = [n.strip().lstrip("%") for n in branches.group(1).split(",")]
+    else:
+        named = dict(m.groups() for m in _TRUE_FALSE.finditer(line))
+        names = [named.get("false"), named.get("true")]
+    return [name for name in names if name in program.calls]
+
+
+def _weights(line: str) -> list[float] | None:
+    """How often each branch (index order) runs per run of a conditional under one of the schedules' rules, or None
+    (its costliest branch every time, XLA's rule)."""
+    if f'{ALTERNATING}/cond"' in line:
+        return [0.5, 0.5]
+    taken = _TAKEN.search(line)
+    if taken:
+        share = int(taken.group(1)) / int(taken.group(2))
+        return [1.0 - share, share]
+    return None
+
+
+def _weighted(program: Program, costed) -> float:
+    """What counting the schedules' conditionals by how often each branch runs changes (a negative number): 1F1B's
+    half-step (its two branches in turn: their mean) and the head / first-stage conditionals (the true branch in
+    `runs` of the `reached` ticks of their `TAKEN` scope; inside a half-step branch, that branch's half). The count
+    so far holds, per run of such a conditional, its costliest branch's static FLOPs (XLA) plus the loops left out
+    of every branch (`_extra`); it should hold the weighted sum over the branches of (static + left out)."""
     change, memo = 0.0, {}
+    halved = set()  # what 1F1B's half-step branches run: each of them half of the half-steps
     for computation in program.order:
         for line in program.lines[computation]:
-            if f'{ALTERNATING}/cond"' not in line or not _CONDITIONAL.search(line):
-                continue  # not the half-step's own conditional (those inside its branches keep the costliest)
-            branches = _BRANCHES.search(line)
-            names = ([n.strip().lstrip("%") for n in branches.group(1).split(",")] if branches else
-                     [m.group(1) for m in _TRUE_FALSE.finditer(line)])
-            names = [name for name in names if name in program.calls]
+            if f'{ALTERNATING}/cond"' in line and _CONDITIONAL.search(line):
+                for name in _branch_names(line, program):
+                    halved |= _outside_loops(program, name)
+    for computation in program.order:
+        for line in program.lines[computation]:
+            weights = _weights(line) if _CONDITIONAL.search(line) else None
+            names = _branch_names(line, program) if weights else []
+            if len(names) != len(weights or ()) or len(names) < 2:
+                continue  # not a schedule's conditional (those inside its branches keep the costliest)
             static = [costed(name) for name in names]
             left_out = [_extra(program, name, costed, memo) for name in names]
-            if len(names) > 1:
-                whole = [a + b for a, b in zip(static, left_out)]
-                change += program.runs[computation] * (sum(whole) / len(whole) - max(static) - sum(left_out))
+            whole = sum(w * (a + b) for w, a, b in zip(weights, static, left_out))
+            share = 0.5 if computation in halved and f'{ALTERNATING}/cond"' not in line else 1.0
+            change += program.runs[computation] * share * (whole - max(static) - sum(left_out))
     return change
 
 
