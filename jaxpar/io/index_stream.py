@@ -104,20 +104,20 @@ def whole_permutation(n: int, seed: int) -> np.ndarray:
     word = bits // 2  # the whole domain's halves are every (high, low) pair: built directly in their small type
     halves = np.arange(2**word, dtype=_halves_dtype(word))
     left, right = _encrypt_halves(np.repeat(halves, 2**word), np.tile(halves, 2**word), round_keys(seed % 2**32), word)
-    target = (left.astype(np.int64) << word | right).astype(np.int32 if bits < 32 else np.int64)
+    target = left.astype(np.intp) << word | right  # (gathers by native indices: `take` converts nothing)
     jump = target.copy()
     jump[:n] = np.arange(n)  # F: every value below n is a fixed point, any other goes to its cipher image
     ends = target[:n].copy()  # each walk: its first cipher image, then F applied 1, 2, 4, ... times more
     while True:  # (values in cycles with no value below n never end: no walk reaches them)
-        ends = jump[ends]
+        ends = jump.take(ends)
         pending = np.flatnonzero(ends >= n)
         if not pending.size:
             return ends.astype(np.int64)
         if 2 * pending.size < n:  # most walks have ended: step the rest alone rather than square F again
             break
-        jump = jump[jump]
+        jump = jump.take(jump)
     while pending.size:
-        ends[pending] = jump[ends[pending]]
+        ends[pending] = jump.take(ends[pending])
         pending = pending[ends[pending] >= n]
     return ends.astype(np.int64)
 
