@@ -158,7 +158,7 @@ class Corpus:
         """Ranges [starts, stops) of the corpus (sorted, disjoint) cut at file ends: each piece's (file, offset in
         the file, length), in order; empty pieces (empty files) left out."""
         first = np.searchsorted(self.ends, starts, side="right")
-        count = np.searchsorted(self.ends, stops - 1, side="right") - first + 1
+        count = np.maximum(np.searchsorted(self.ends, stops - 1, side="right") - first + 1, 0)  # (empty: none)
         if (count == 1).all():  # no range crosses a file end (the usual case)
             file_starts = self.ends[first] - self.sizes[first]
             return first, starts - file_starts, stops - starts
@@ -173,8 +173,10 @@ class Corpus:
         """The bytes of the ranges [starts, stops) (sorted, disjoint, inside the corpus), concatenated, then `pad`
         zero bytes."""
         files, offsets, lengths = self._pieces(starts, stops)
+        if not len(files):
+            return bytes(pad)
         group = (np.cumsum(_begins(files[1:] != files[:-1])) - 1) // (OPEN_FILES // 2)  # pieces in file order
-        cuts = [0, len(files)] if not len(files) or group[-1] == 0 else \
+        cuts = [0, len(files)] if group[-1] == 0 else \
             [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(files)]
         chunks = []
         with self._lock:

@@ -189,6 +189,14 @@ def test_a_corpus_reads_exactly_the_bytes_asked_for_across_files(tmp_path):
     assert len(corpus_lib.Corpus(_files(tmp_path, contents), max_bytes=12).files) == 3  # stops at the cut
 
 
+def test_empty_runs_and_runs_at_a_file_end_before_an_empty_file(tmp_path):
+    corpus = corpus_lib.Corpus(_files(tmp_path, [b"abcd", b"", b"efgh"]))
+    assert corpus.runs(np.array([0, 4]), np.array([2, 0])).tobytes() == b"ab"
+    assert corpus.runs(np.array([1, 4]), np.array([3, 3])).tobytes() == b"bcdefg"
+    assert corpus.rows(np.array([4]), np.array([0]), width=2).shape == (1, 2)
+    assert corpus.bytes_read == 2 + 6
+
+
 def test_many_small_files_read_in_groups_under_the_open_file_budget(tmp_path, monkeypatch):
     """40 files (some empty) with room for 8 open descriptors: runs of one length (windows), runs of mixed lengths
     and runs that cross several files all equal the bytes in memory, each distinct byte read once, and never more
