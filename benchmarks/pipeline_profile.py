@@ -95,6 +95,9 @@ def measure(name, schedule, count, rows, stages, warmup, steps, keep=None):
                 jax.block_until_ready(metrics["loss"])
         wall = (time.perf_counter() - start) / steps
         devices = device_busy(worker_events(folder))
+    if len(devices) != stages:
+        raise SystemExit(f"the trace names operations on {len(devices)} devices, not the {stages} stages: this reader "
+                         f"knows XLA:CPU's traces (JAX_PLATFORMS=cpu)")
     ticks = 2 * (repeats * count + stages - 1)
     per_step = 1e-3 / steps  # microseconds over the traced steps -> milliseconds per step
     compute = [c * per_step for _, c in devices.values()]
