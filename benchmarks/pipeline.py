@@ -30,7 +30,8 @@ def main():
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec
 
-    from jaxpar.pipeline.schedules import gpipe, one_f_one_b
+    from jaxpar.pipeline.one_f_one_b import one_f_one_b
+    from jaxpar.pipeline.schedules import gpipe
 
     def stage_fn(p, x, m=0):
         return jax.lax.scan(lambda h, wb: (h + jnp.tanh(h @ wb[0] + wb[1]), None), x, (p["w"], p["b"]))[0]

@@ -13,7 +13,7 @@ unstacked model, x grad_accum, which leaves b x E unchanged):
 With a stage axis (`pipelined`; b is then a microbatch's block, as the stack's layers see it) a device runs its
 stage's E / (P R) layers per tick, on every tick, the bubble's included, and the backward recomputes each tick's
 forward (its traffic once more: 1.5x). GPipe and circular: 1.5 x T x E / (P R) x (R M + P - 1) ticks. 1F1B on a
-seq mesh runs a forward and a backward in each of its 2 (M + P - 1) half-steps (`jaxpar.pipeline.schedules._branch`):
+seq mesh runs a forward and a backward in each of its 2 (M + P - 1) half-steps (`jaxpar.pipeline.schedules.branch`):
 1.5 x T x E / P x 2 (M + P - 1). T is the line above for one layer. The part before the stack and the head run
 inside 1F1B's half-steps too, so the sequence shift of their tokens adds to 1F1B's measured bytes.
 The model's attention shapes are read by tracing the loss abstractly with `jaxpar.attention` recording its inputs.

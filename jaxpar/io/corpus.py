@@ -6,7 +6,7 @@ and the byte offsets of any window are known before a byte is read. `Corpus[posi
 positions asked for, one positioned read (`os.pread`) per contiguous run (per file), mapped over the runs with no
 Python work per run, and counts the bytes it read (`bytes_read`). `CorpusPart` (`jaxpar.io.corpus_split`) is the
 training or the held-out part of a corpus under `BlockSplit`, the one place that says which blocks are held out;
-`jaxpar.io.data.split_text` applies the same rule to bytes in memory.
+`jaxpar.io.data.split_text` applies the same rule to bytes in memory; `jaxpar.io.corpus_files` says which files.
 
     corpus = open_corpus("books/", max_bytes=1 << 30)     # stats the files, reads nothing
     train, held_out = split_corpus(corpus, seq_len=128)
@@ -15,17 +15,15 @@ training or the held-out part of a corpus under `BlockSplit`, the one place that
 
 from __future__ import annotations
 
-import codecs
 import logging
 import os
 import resource
-import stat
-import sysconfig
 import threading
 
 import numpy as np
 
 from jaxpar.errors import DataError
+from jaxpar.io.corpus_files import binary_note, corpus_files
 # (re-exported: the split was defined here before it had its own module)
 from jaxpar.io.corpus_split import (TEXT_BLOCK_BYTES, BlockSplit, CorpusPart, split_corpus,  # noqa: F401
                                     text_block_size)
@@ -35,65 +33,6 @@ SAMPLE_BYTES = 64 << 10  # what the text check (binary_note) of a --data corpus 
 # file descriptors a corpus keeps open between reads (least recently used closed first): a quarter of the process's
 # limit, so that reading does not reopen files batch after batch, and other open files keep their room
 OPEN_FILES = min(max(resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4, 64), 4096)
-
-
-# --- which files ---------------------------------------------------------------------------------------------------
-def default_corpus_files() -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__", "test", "tests"))
-        files += [os.path.join(folder, n) for n in names if n.endswith(".py")]
-    return sorted(files, key=lambda f: os.path.relpath(f, root))
-
-
-def path_kind(path: str) -> str:
-    """What is at `path`, in words: 'a regular file', 'a folder', 'a character device', ... or 'nothing'."""
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a dangling symbolic link (to {os.readlink(path)!r}, which does not exist)"
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return "nothing"
-    for test, words in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                        (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return words
-    return "not a regular file"
-
-
-def corpus_files(path: str | None) -> list[str]:
-    """The files of the corpus at `path` (None: the standard library's .py files), in their concatenation order."""
-    if path is None:
-        files = default_corpus_files()
-        if not files:
-            raise DataError("no default corpus: the Python standard library has no .py files here; pass --data PATH")
-        return files
-    if os.path.isdir(path):
-        files = sorted(f for f in (os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
-                       if os.path.isfile(f))  # regular files only: no FIFOs, sockets or dangling links
-        if not files:
-            raise DataError(f"--data {path!r}: the folder contains no files; pass a text file or a folder of them")
-        return files
-    if os.path.isfile(path):
-        return [path]
-    if path_kind(path) == "nothing":
-        raise DataError(f"--data {path!r}: no such file or folder; pass a text file or a folder of text files")
-    raise DataError(f"--data {path!r}: is {path_kind(path)}, not a file or folder; pass a text file or a folder "
-                    f"of text files")
-
-
-def binary_note(tokens: np.ndarray) -> str | None:
-    """Why `tokens` do not look like text (invalid UTF-8 or NUL bytes), or None. A cut multi-byte character at the
-    end (max_bytes, or the end of a sample) is not counted."""
-    raw = tokens.tobytes()
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
-    except UnicodeDecodeError as error:
-        return f"is not UTF-8 text (invalid byte at offset {error.start})"
-    zero = raw.find(b"\0")
-    return None if zero < 0 else f"is not text (a NUL byte at offset {zero})"
 
 
 # --- the corpus ----------------------------------------------------------------------------------------------------

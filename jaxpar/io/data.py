@@ -24,8 +24,8 @@ from jaxpar.io.batches import DEFAULT_READ_AHEAD, ArraySource, Batches, prefetch
 from jaxpar.errors import DataError
 from jaxpar.io.corpus import BlockSplit, open_corpus
 # (re-exported: these were defined here before the corpus had its own module)
-from jaxpar.io.corpus import (DEFAULT_CORPUS_BYTES, TEXT_BLOCK_BYTES, binary_note,  # noqa: F401
-                              default_corpus_files, path_kind, split_corpus, text_block_size)
+from jaxpar.io.corpus import DEFAULT_CORPUS_BYTES, TEXT_BLOCK_BYTES, split_corpus, text_block_size  # noqa: F401
+from jaxpar.io.corpus_files import binary_note, default_corpus_files, path_kind  # noqa: F401
 
 DIGITS_TEST_SIZE = 300
 

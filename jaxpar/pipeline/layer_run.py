@@ -28,7 +28,7 @@ class LayerRun:
         """A stage mesh: the training step cuts the loss at the stack (`jaxpar.pipeline.split`), so the rest of the
         model runs inside the schedule, per microbatch. With a seq axis GPipe and circular keep the whole-batch step
         (the stack pipelined, the rest of the model outside it), which runs context parallelism; 1F1B always splits
-        (with seq, every stage runs both sides of its schedule's choices: `jaxpar.pipeline.schedules._branch`)."""
+        (with seq, every stage runs both sides of its schedule's choices: `jaxpar.pipeline.schedules.branch`)."""
         if self.stages == 1:
             return False
         return self.pipeline.schedule == ONE_F_ONE_B or mesh_lib.seq_ways(self.mesh) == 1

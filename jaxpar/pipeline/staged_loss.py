@@ -22,7 +22,8 @@ from flax import nnx
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
 from jaxpar.pipeline.config import ONE_F_ONE_B
-from jaxpar.pipeline.schedules import circular_loss, one_f_one_b
+from jaxpar.pipeline.one_f_one_b import one_f_one_b
+from jaxpar.pipeline.schedules import circular_loss
 from jaxpar.pipeline.split import cut, model_parts, the_stack
 
 

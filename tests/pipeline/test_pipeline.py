@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxpar.pipeline.schedules import circular, gpipe, one_f_one_b
+from jaxpar.pipeline.one_f_one_b import one_f_one_b
+from jaxpar.pipeline.schedules import circular, gpipe
 
 LAYERS, WIDTH, ROWS = 8, 16, 4
 AXIS = "stage"
