@@ -155,16 +155,28 @@ def test_close_and_garbage_collection_leave_no_thread():
 def test_sigterm_and_ctrl_c_end_a_run_with_no_read_ahead_thread_left(signum, code, tmp_path, capsys):
     import run
 
+    ended, unanswered = threading.Event(), []
+
     def send():  # once training reads ahead, and a few steps later
         deadline = time.monotonic() + 300
         while not readers() and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(1.0)
         os.kill(os.getpid(), signum)
+        if not ended.wait(120):  # the run went on: fail instead of training a million steps
+            unanswered.append(signum)
+            os.kill(os.getpid(), signal.SIGTERM)
 
+    # Ctrl-C as a terminal delivers it: Python's own handler (a process started in the background ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=send, daemon=True).start()
-    assert run.main(["--model", "mlp", "--hidden", "16", "--steps", "1000000", "--eval-batches", "0",
-                     "--batch-size", "64"]) == code
+    try:
+        code_seen = run.main(["--model", "mlp", "--hidden", "16", "--steps", "1000000", "--eval-batches", "0",
+                              "--batch-size", "64"])
+    finally:
+        ended.set()
+        signal.signal(signal.SIGINT, previous)
+    assert not unanswered and code_seen == code
     assert capsys.readouterr().err == f"run.py: {'terminated' if signum == signal.SIGTERM else 'interrupted'}\n"
     assert not readers()
 
