@@ -11,6 +11,10 @@ if "xla_force_host_platform_device_count" not in flags:
 # Processes the tests start get it too (tests.helpers.child_env), so in-process and subprocess runs stay identical.
 if "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
+# ... and its older fusion emitters compile them in about 20% less CPU time than the MLIR-based ones (measured on
+# the seq and pipeline steps of the transformer: 25.1 -> 19.9 s of backend compilation for 9 programs)
+if "xla_cpu_use_fusion_emitters" not in flags:
+    flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags.strip()
 
 import jax  # noqa: E402

@@ -19,7 +19,7 @@ from jaxpar.errors import ConfigError, StateError
 from jaxpar.parallel import context
 from jaxpar.parallel import mesh as mesh_lib
 from jaxpar.parallel import partitioning as shd
-from jaxpar.runtime.resources import check_step_memory, device_error, step_flops
+from jaxpar.runtime.resources import bytes_accessed, check_step_memory, cost_analysis, device_error, step_flops
 from jaxpar.train.batch_cache import shape_signature
 from jaxpar.train.remat import policy_of
 from jaxpar.train.step import guarded_step
@@ -77,8 +77,10 @@ class StepCompiler:
         self.count(signature)
         for watch in self.watchers:
             watch(plan.variant, compiled)
-        check_step_memory(compiled, t.mesh, plan.variant, rows, t.batch_divisor, t.state_bytes_per_device())
-        flops = step_flops(compiled)
+        analysis = cost_analysis(compiled)  # read once: the FLOPs, and the bound that can spare the memory analysis
+        check_step_memory(compiled, t.mesh, plan.variant, rows, t.batch_divisor, t.state_bytes_per_device(),
+                          bytes_accessed(analysis))
+        flops = step_flops(compiled, analysis)
         if flops is not None:
             self.flops[signature] = flops * t.mesh.size  # every device runs the same partitioned program
         self._memory_checked.add(signature)
