@@ -39,3 +39,19 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # ... shared with the processes the tests start (run.py killed and resumed, device-failure scripts): same programs
 os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+# The longest files first (test seconds in a whole run): pytest-xdist hands out whole files (--dist loadfile) in
+# collection order, so a long file collected last would keep one worker busy after the others are done. The Ray and
+# multi-process files mostly wait on their processes, which run beside the other workers' tests.
+LONGEST_FIRST = [
+    "tests/runtime/test_ray_runtime.py", "tests/pipeline/test_pipeline_trainer.py",
+    "tests/strategies/test_strategies.py", "tests/parallel/test_seq_equivalence.py", "tests/models/test_transformer.py", "tests/runtime/test_distributed.py",
+    "tests/cli/test_resume_cli.py", "tests/parallel/test_compression_meetings.py", "tests/cli/test_cli_ray.py",
+    "tests/cost/test_memory_fit.py", "tests/train/test_remat.py", "tests/parallel/test_seq_composition.py",
+    "tests/advisor/test_advisor.py", "tests/cli/test_cli.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order

@@ -42,3 +42,7 @@ class InMesh:
     def lower(self, *args, **kwargs):
         with tracing(self.mesh):
             return self.jitted.lower(*args, **kwargs)
+
+    def eval_shape(self, *args, **kwargs):
+        with tracing(self.mesh):
+            return self.jitted.eval_shape(*args, **kwargs)

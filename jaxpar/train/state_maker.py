@@ -58,8 +58,8 @@ class StateMaker:
         with mesh_lib.tracing(self._mesh):
             if neutral:
                 shapes, shardings = jax.eval_shape(self.neutral, seed), self._neutral_shardings
-            else:
-                shapes, shardings = jax.eval_shape(self.full, seed), self._shardings
+            else:  # the jitted init's own trace: `init` then reuses it
+                shapes, shardings = self._init.eval_shape(seed), self._shardings
         leaves, treedef = jax.tree.flatten(shapes)
         placed = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
         return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
@@ -69,7 +69,7 @@ class StateMaker:
         """`Trainer.state_bytes_per_device`."""
         if self._bytes is None:
             with mesh_lib.tracing(self._mesh):
-                abstract = jax.eval_shape(self.full, jnp.asarray(0, jnp.uint32))
+                abstract = self._init.eval_shape(jnp.asarray(0, jnp.uint32))  # traced once, with `init`
             self._bytes = shd.bytes_per_device(abstract, self._shardings)
         return self._bytes
 

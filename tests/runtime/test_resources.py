@@ -77,7 +77,7 @@ def test_the_memory_check_is_on_the_compilation_the_step_uses():
 
 
 @pytest.mark.parametrize("model, mesh, kw", [
-    ("transformer", "data=2,model=4", {}), ("transformer", "stage=2", {"pipeline": jaxpar.Pipeline("1f1b", 2)}),
+    ("transformer", "stage=2", {"pipeline": jaxpar.Pipeline("1f1b", 2)}),
     ("transformer", "seq=4", {"context_parallel": "ring"}), ("cnn", "fsdp=8", {"remat": "full"}),
     ("mlp", "data=4", {"strategy": jaxpar.Sync("ring", compress="int8")})])
 def test_the_bound_that_spares_the_memory_analysis_holds(model, mesh, kw):
