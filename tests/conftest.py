@@ -48,7 +48,8 @@ LONGEST_FIRST = [
     "tests/runtime/test_ray_runtime.py", "tests/pipeline/test_pipeline_trainer.py",
     "tests/strategies/test_strategies.py", "tests/parallel/test_seq_equivalence.py", "tests/models/test_transformer.py",
     "tests/runtime/test_distributed.py", "tests/cli/test_resume_cli.py", "tests/parallel/test_compression_meetings.py",
-    "tests/cli/test_cli_ray.py", "tests/cost/test_memory_fit.py", "tests/train/test_remat.py", "tests/parallel/test_seq_composition.py",
+    "tests/cli/test_cli_ray.py", "tests/cost/test_memory_fit.py", "tests/train/test_remat.py",
+    "tests/parallel/test_seq_composition.py",
     "tests/advisor/test_advisor.py", "tests/cli/test_cli.py"]
 
 
