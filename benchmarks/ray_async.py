@@ -128,7 +128,9 @@ def main(argv=None):
     jaxpar.make_mesh("data=4")  # before anything touches JAX: the driver's CPU devices, for the held-out replay
     import ray
 
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False, logging_level="ERROR")
+    from jaxpar.runtime.ray.connect import start
+
+    start(num_cpus=2)  # the runtime's quiet local instance, shared by every run below
     try:
         s = args.stragglers
         rows = {}

@@ -49,8 +49,11 @@ def start(address: str | None = None, num_cpus: int | None = None) -> bool:
         return False
     if address:
         check_address(address)
+    # a local instance starts no idle worker processes for the first driver: every jaxpar actor has its own
+    # runtime_env (its device count), so none of them could use one (measured: ray.init 5.8 -> 3.4 s, 3 s of CPU less)
+    local = {} if address else {"_system_config": {"prestart_worker_first_driver": False}}
     ray.init(address=address, num_cpus=None if address else num_cpus, log_to_driver=False,
-             logging_level=logging.ERROR, include_dashboard=False, configure_logging=True)
+             logging_level=logging.ERROR, include_dashboard=False, configure_logging=True, **local)
     return True
 
 
