@@ -39,9 +39,31 @@ def test_batch_unit_covers_the_batch_axes_the_replicas_accumulation_and_microbat
 
 @pytest.fixture(scope="module")
 def measured():
-    """Each policy's compiled memory at 16 rows, from an advice with a budget that fits everything."""
+    """Each policy's compiled memory at 16 rows, from an advice with a budget that fits everything. The other
+    budgets below ask the same trainer (`with_budget`), so each program is compiled and measured once here."""
     trainer = transformer(hardware="a100-nvlink")
     return trainer, fit.what_fits(trainer, batch_of(trainer, 16), "sync")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured_once():
+    """`fit._measure` remembered per (trainer, variant, batch rows, policy) for this module: the same program
+    compiles to the same memory, and the advice's decisions are what the tests below check."""
+    original, seen = fit._measure, {}
+
+    def remembered(trainer, variant, inputs, batch, policy):
+        key = (id(trainer), variant, fit._rows(batch), policy)
+        if key not in seen:
+            seen[key] = original(trainer, variant, inputs, batch, policy)
+        return seen[key]
+
+    fit._measure = remembered
+    yield
+    fit._measure = original
+
+
+def with_budget(monkeypatch, budget):
+    monkeypatch.setattr(fit, "budget_of", lambda trainer: (int(budget), "a test's budget"))
 
 
 @pytest.mark.slow
@@ -64,11 +86,12 @@ def test_each_policy_is_compiled_under_its_own_remat(measured):
 
 
 @pytest.mark.slow
-def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured):
+def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured, monkeypatch):
     trainer, before = measured
     p = before["policies"]
-    budget = (p["none"]["bytes"] + min(q["bytes"] for q in p.values())) / 2  # none does not fit, the leanest does
-    advice = fit.what_fits(transformer(hardware=f"a100-nvlink,memory={budget}"), batch_of(trainer, 16), "sync")
+    budget = (p["none"]["bytes"] + min(q["bytes"] for q in p.values())) // 2  # none does not fit, the leanest does
+    with_budget(monkeypatch, budget)
+    advice = fit.what_fits(trainer, batch_of(trainer, 16), "sync")
     fitting = [n for n, q in advice["policies"].items() if q["bytes"] <= budget]
     assert "none" not in fitting and fitting
     cheapest = min(fitting, key=lambda n: advice["policies"][n]["flops_per_device"])
@@ -78,24 +101,25 @@ def test_a_budget_between_the_policies_suggests_the_cheapest_that_fits(measured)
 
 
 @pytest.mark.slow
-def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compiled(measured):
+def test_a_batch_that_fits_no_policy_gets_a_smaller_batch_that_does_when_compiled(measured, monkeypatch):
     trainer, before = measured
     p = before["policies"]
     budget = min(q["bytes"] for q in p.values()) - 1  # 16 rows fit under no policy
-    small = transformer(hardware=f"a100-nvlink,memory={budget}")
-    advice = fit.what_fits(small, batch_of(trainer, 16), "sync")
+    with_budget(monkeypatch, budget)
+    advice = fit.what_fits(trainer, batch_of(trainer, 16), "sync")
     s = advice["suggestion"]
     assert not any(q["fits"] for q in advice["policies"].values())
     assert s["compiled"] and 2 <= s["batch"] < 16 and s["batch"] % 2 == 0 and s["bytes"] <= budget
-    again = small.compiled_step("sync", batch_of(trainer, s["batch"]), remat=s["remat"]).memory_analysis()
+    again = trainer.compiled_step("sync", batch_of(trainer, s["batch"]), remat=s["remat"]).memory_analysis()
     total = (again.argument_size_in_bytes + again.output_size_in_bytes - again.alias_size_in_bytes
              + again.temp_size_in_bytes)
     assert total == s["bytes"]
 
 
 @pytest.mark.slow
-def test_a_model_too_big_for_the_budget_is_told_to_split():
-    trainer = transformer(hardware="a100-nvlink,memory=1000")
+def test_a_model_too_big_for_the_budget_is_told_to_split(measured, monkeypatch):
+    trainer, _ = measured
+    with_budget(monkeypatch, 1000)
     advice = fit.what_fits(trainer, batch_of(trainer, 16), "sync")
     assert advice["suggestion"]["remat"] is None
     assert "split the model over more devices" in advice["suggestion"]["reason"]

@@ -235,13 +235,13 @@ def test_dropout_draws_from_call_time_rngs_and_follows_the_seed_on_every_mesh():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_dropout_on_a_stage_mesh_equals_1x1_with_the_same_microbatches(schedule):
+def test_dropout_on_a_stage_mesh_equals_1x1_with_the_same_microbatches():
     """On data=2,stage=2,model=2 the vocabulary is tensor-parallel: 1F1B's head on the last stage once crashed XLA's
-    SPMD partitioner there (jaxpar.pipeline.split._head_inputs)."""
+    SPMD partitioner there (jaxpar.pipeline.split._head_inputs). GPipe with dropout on this model: the seq meshes'
+    pipelines (tests/parallel/test_seq_equivalence.py)."""
     _, reference = train(trainer_for("1x1", layers=4, dropout=0.1, pipeline=Pipeline(microbatches=2)))
     _, losses = train(trainer_for("data=2,stage=2,model=2", layers=4, dropout=0.1,
-                                  pipeline=Pipeline(schedule, microbatches=2)))
+                                  pipeline=Pipeline("1f1b", microbatches=2)))
     np.testing.assert_allclose(losses, reference, rtol=RTOL)
 
 

@@ -118,8 +118,9 @@ def test_without_dropout_the_microbatch_count_does_not_change_the_math():
                          ids=lambda s: type(s).__name__)
 def test_the_pipeline_runs_inside_each_replica_of_the_explicit_strategies(strategy):
     """The meeting (local SGD; DiLoCo adds only an outer optimizer on the same average) and the emulated server
-    (SSP; ASP is SSP without a bound) each run the replicas' pipelines."""
-    assert_same(train("data=2,stage=2,model=2", Pipeline("1f1b", 4), strategy=strategy),
+    (SSP; ASP is SSP without a bound) each run the replicas' pipelines. (1F1B inside each replica: the explicit
+    allreduces below.)"""
+    assert_same(train("data=2,stage=2,model=2", Pipeline("gpipe", 4), strategy=strategy),
                 reference(4, 0.2, strategy, mesh="data=2"))
 
 
