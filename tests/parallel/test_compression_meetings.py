@@ -4,6 +4,8 @@ today's meeting bit for bit; bf16 and PowerSGD at full rank against the uncompre
 feedback over two meetings against numpy; post-local SGD's warm-up left uncompressed; the skip guard, non-finite
 values, restores and the compiled wire bytes; the command line's lines."""
 
+import functools
+
 import numpy as np
 import optax
 import pytest
@@ -146,10 +148,15 @@ def test_powersgd_at_full_rank_meets_like_the_uncompressed_meeting():
         np.testing.assert_allclose(got + r0.mean(0) - r1.mean(0), want, rtol=0, atol=1e-6)
 
 
+@functools.cache
+def plain_diloco_losses():
+    return tuple(run_steps(trainer_for("mlp", "2x4", strategy=jaxpar.DiLoCo(period=2)), 8, same_batch=True)[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("codec", ["bf16", "fp16", "int8", "powersgd:2"])
 def test_diloco_with_a_codec_trains_and_its_replicas_restart_identical(codec):
-    _, plain = run_steps(trainer_for("mlp", "2x4", strategy=jaxpar.DiLoCo(period=2)), 8, same_batch=True)
+    plain = plain_diloco_losses()  # the uncompressed run, once for the four codecs
     trainer = trainer_for("mlp", "2x4", strategy=jaxpar.DiLoCo(period=2, compress=codec))
     state, got = run_steps(trainer, 8, same_batch=True)
     assert got[-1] < got[0] - 0.3, got

@@ -81,14 +81,6 @@ def test_asp_replayed_through_the_emulation_gives_the_same_parameters(ray_instan
 
 
 @pytest.mark.slow
-def test_ssp_staleness_0_on_the_runtime_is_sync_sgd(ray_instance):
-    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.SSP(0, stragglers="0:2.0"), batches, 6)
-    assert all(r["contributors"] == 2 and r["staleness_max"] == 0 for r in out.records)
-    same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(6)]
-    assert_close(out.params, emulated(jaxpar.Sync(), same))
-
-
-@pytest.mark.slow
 def test_a_model_failing_inside_a_worker_is_one_line_and_leaves_nothing(ray_instance, tmp_path):
     with pytest.raises(jaxpar.JaxparError, match=r"^worker 0: model failing: the factory raised RuntimeError: my "
                                                  r"model is broken; it must build") as error:
@@ -145,7 +137,9 @@ def test_an_unreachable_address_is_said_quickly():
 
 @pytest.mark.slow
 def test_a_killed_server_ends_the_run_in_one_line_and_resumes_exactly(ray_instance, tmp_path):
-    folder = str(tmp_path / "server")
+    """SSP(0) with a straggler, killed and resumed: every update has both workers at staleness 0, and the resumed
+    run's parameters are 8 steps of sync SGD on the same batches (SSP(0) on the runtime is sync SGD)."""
+    folder, ssp0 = str(tmp_path / "server"), jaxpar.SSP(0, stragglers="0:2.0")
 
     def kill_server(progress, done=[]):
         if not done and progress["version"] >= 4:
@@ -157,11 +151,12 @@ def test_a_killed_server_ends_the_run_in_one_line_and_resumes_exactly(ray_instan
 
     died = r"^the parameter server died \(noticed at: [a-z ]+\); the run stops here"
     with pytest.raises(jaxpar.JaxparError, match=died):
-        run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), slow_batches, 8, checkpoint_dir=folder,
+        run(Tiny, loss, optax.sgd(0.05), "data=2", ssp0, slow_batches, 8, checkpoint_dir=folder,
             checkpoint_every=2, on_progress=kill_server, progress_every=0.2, run_dir=str(tmp_path))
-    out = run(Tiny, loss, optax.sgd(0.05), "data=2", jaxpar.Sync(), batches, 8, checkpoint_dir=folder,
-              checkpoint_every=2, resume=True)
+    out = run(Tiny, loss, optax.sgd(0.05), "data=2", ssp0, batches, 8, checkpoint_dir=folder, checkpoint_every=2,
+              resume=True)
     assert out.resumed_at in (4, 6) and out.version == 8
+    assert all(r["contributors"] == 2 and r["staleness_max"] == 0 for r in out.records)
     same = [{k: np.concatenate([batches(0, 2, s)[k], batches(1, 2, s)[k]]) for k in ("x", "y")} for s in range(8)]
     assert_close(out.params, emulated(jaxpar.Sync(), same))
 
