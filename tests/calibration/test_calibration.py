@@ -337,17 +337,20 @@ def test_an_existing_file_that_is_not_a_profile_is_refused_and_left_as_it_was(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["jaxpar.calibrate", "jaxpar.calibration"])
-def test_without_a_mesh_a_cpu_machine_gets_the_devices_run_py_makes(module, tmp_path):
+def test_without_a_mesh_a_cpu_machine_gets_the_devices_run_py_makes(tmp_path):
     """No --mesh and no CPU device count chosen: the command makes as many CPU devices as run.py's default --mesh
-    (2x4: 8) and measures them all on data."""
+    (2x4: 8) and measures them all on data. `python -m jaxpar.calibration` is the same command."""
     out = tmp_path / "machine.json"
-    result = subprocess.run([sys.executable, "-m", module, "--out", str(out), "--sizes", "4096,65536",
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-m", "jaxpar.calibrate", "--out", str(out), "--sizes", "4096,65536",
                              "--matmul-sizes", "64", "--repeats", "1", "--trips", "2", "--codecs", "none"],
-                            cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT), capture_output=True,
-                            text=True, timeout=300)
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(out.read_text())["calibration"]["mesh"] == {"data": 8, "stage": 1, "fsdp": 1, "seq": 1, "model": 1}
+    usage = [subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300) for module in ("jaxpar.calibrate", "jaxpar.calibration")]
+    assert [u.returncode for u in usage] == [0, 0] and "--sizes" in usage[0].stdout
+    assert usage[0].stdout == usage[1].stdout
 
 
 @pytest.mark.slow
