@@ -17,6 +17,8 @@ if "xla_cpu_use_fusion_emitters" not in flags:
     flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = flags.strip()
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402
 
 assert len(jax.devices()) == 8, f"tests need 8 CPU devices, got {jax.devices()}"
@@ -51,6 +53,17 @@ LONGEST_FIRST = [
     "tests/cli/test_cli_ray.py", "tests/cost/test_memory_fit.py", "tests/train/test_remat.py",
     "tests/parallel/test_seq_composition.py",
     "tests/advisor/test_advisor.py", "tests/cli/test_cli.py"]
+
+
+# Tracing and lowering make many short-lived Python objects: at CPython's default thresholds (700, 10, 10) the cyclic
+# garbage collector took 4.4% of a worker's CPU (perf, tests/strategies/test_strategies.py). Rarer collections, and
+# what is alive once the tests are collected (JAX, Flax, the test modules) kept out of them.
+gc.set_threshold(50_000, 20, 20)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
