@@ -5,8 +5,8 @@ compilation cache, and the cache's hits and misses), and a summary by test file.
     pytest -p benchmarks.suite_profile                # each pytest process writes suite-profile/<pid>.json
     python -m benchmarks.suite_profile [FOLDER]       # the totals, and the files that cost the most CPU
 
-`JAXPAR_SUITE_PROFILE` names another folder. Only the pytest processes are measured, not the processes the tests
-start (run.py, launched processes, Ray actors). JAX's durations are wall time inside a process: with more pytest
+`JAXPAR_SUITE_PROFILE` names another folder; a run replaces the profile of the run before. Only the pytest
+processes are measured, not the processes the tests start (run.py, launched processes, Ray actors). JAX's durations are wall time inside a process: with more pytest
 workers than cores they include waiting for a core, and XLA compiles on threads of its own, so a compile's wall time
 and the process's CPU time do not add up.
 """
@@ -47,6 +47,10 @@ def _on_event(event: str, **_) -> None:
 def pytest_configure(config) -> None:
     from jax import monitoring
 
+    if not hasattr(config, "workerinput"):  # the lone pytest process, or xdist's controller before its workers start
+        for stale in glob.glob(os.path.join(FOLDER, "*.json")):  # one run's profile, not several runs' mixed
+            os.remove(stale)
+
     monitoring.register_event_duration_secs_listener(_on_duration)
     monitoring.register_event_listener(_on_event)
 
@@ -59,7 +63,6 @@ def pytest_runtest_protocol(item, nextitem):
     _tests[item.nodeid]["cpu_s"] += time.process_time() - cpu
     _tests[item.nodeid]["wall_s"] += time.perf_counter() - wall
     _current.clear()
-
 
 
 def pytest_sessionfinish(session) -> None:

@@ -27,6 +27,9 @@ def test_a_profiled_run_counts_each_tests_compilation(tmp_path):
     (tmp_path / "test_small.py").write_text(TEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     folder = tmp_path / "profile"
+    folder.mkdir()
+    (folder / "1.json").write_text(json.dumps({"old.py::test_of_the_run_before": {"cpu_s": 1.0}}))  # replaced
+    # no compilation cache: the program is compiled, not read back
     env = child_env(JAXPAR_SUITE_PROFILE=str(folder), PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR="")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "benchmarks.suite_profile", "-p",
                            "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"), str(tmp_path / "test_small.py")],
