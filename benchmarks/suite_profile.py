@@ -6,9 +6,9 @@ compilation cache, and the cache's hits and misses), and a summary by test file.
     python -m benchmarks.suite_profile [FOLDER]       # the totals, and the files that cost the most CPU
 
 `JAXPAR_SUITE_PROFILE` names another folder; a run replaces the profile of the run before. Only the pytest
-processes are measured, not the processes the tests start (run.py, launched processes, Ray actors). JAX's durations are wall time inside a process: with more pytest
-workers than cores they include waiting for a core, and XLA compiles on threads of its own, so a compile's wall time
-and the process's CPU time do not add up.
+processes are measured, not the processes the tests start (run.py, launched processes, Ray actors). JAX's durations
+are wall time inside a process: with more pytest workers than cores they include waiting for a core, and XLA
+compiles on threads of its own, so a compile's wall time and the process's CPU time do not add up.
 """
 
 from __future__ import annotations
